@@ -1,0 +1,50 @@
+"""mlx-lm-ext: pluggy plugins inside mlx-lm's own commands.
+
+This module is imported by the start-up hook of every Python process in the
+environment, so it imports nothing heavy: pluggy and the plugin manager load
+on first use.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["PluginError", "hookimpl", "enable", "disable", "enabled"]
+
+
+class PluginError(ValueError):
+    """Bad user input for a plugin: reported as a clear message, exit status 2."""
+
+
+def enable(name, **options):
+    """Turn plugin ``name`` on for mlx-lm calls made from this process.
+
+    ``options`` are the plugin's command-line flags as keywords
+    (``--ssd-cache-dir`` is ``ssd_cache_dir``); flags left out get their
+    command-line defaults. Raises ``PluginError`` for an unknown plugin or a
+    bad option.
+    """
+    from . import plugins
+
+    return plugins.enable(name, **options)
+
+
+def disable(name):
+    """Turn plugin ``name`` off again and undo its patches."""
+    from . import plugins
+
+    plugins.disable(name)
+
+
+def enabled():
+    """Names of the plugins active in this process."""
+    from . import plugins
+
+    return list(plugins.active())
+
+
+def __getattr__(name):
+    # hookimpl needs pluggy; load it only when a plugin asks for it.
+    if name == "hookimpl":
+        import pluggy
+
+        return pluggy.HookimplMarker("mlx_lm_ext")
+    raise AttributeError(f"module 'mlx_lm_ext' has no attribute {name!r}")

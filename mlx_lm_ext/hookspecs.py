@@ -1,0 +1,122 @@
+"""Every hook of mlx-lm-ext, in one place (pluggy project name ``mlx_lm_ext``).
+
+A plugin is a module (or object) named by an entry point in the group
+``mlx_lm_ext.plugins``; the entry point's name is the plugin's name, the one
+users type after ``--plugin``. Its hooks are plain functions decorated with
+``mlx_lm_ext.hookimpl``; a plugin implements only the hooks it needs.
+
+A plugin is imported and registered only when a user names it
+(``--plugin NAME``, ``--loss NAME``, ``loss: NAME`` in a lora YAML config, or
+``mlx_lm_ext.enable(NAME)``), so an installed plugin that is not named changes
+nothing. The exceptions are ``add_subcommands`` and ``doctor``, which the
+``mlx-lm-ext`` command calls on every installed plugin.
+
+``command`` is one of ``"generate"``, ``"server"``, ``"lora"`` (mlx-lm's
+commands) or ``"python"`` (``mlx_lm_ext.enable`` from user code).
+
+Errors: raise ``mlx_lm_ext.PluginError`` for bad user input (the host prints
+the message and exits with status 2); any other exception from ``activate``
+is reported as a failed activation (exit 1) without a traceback from inside
+mlx-lm. Hooks that run while a server is serving (prompt cache, drafter) must
+not raise for I/O trouble: degrade and log instead.
+"""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("mlx_lm_ext")
+
+
+@hookspec
+def commands():
+    """Return the commands this plugin extends, e.g. ``["server"]``.
+
+    Used by ``mlx-lm-ext plugins`` and to refuse a plugin named on a command
+    it does not extend.
+    """
+
+
+@hookspec
+def add_arguments(command, group):
+    """Add this plugin's flags for ``command`` to ``group``.
+
+    ``group`` is an ``argparse`` argument group titled after the plugin, so
+    the flags show in ``--help`` on their own. Defaults must be JSON
+    serialisable (lora writes all arguments to ``adapter_config.json``); for
+    ``lora`` every default must be ``None`` and the real default applied in
+    ``activate`` (lora fills ``None`` values from its YAML config).
+    """
+
+
+@hookspec
+def activate(command, args):
+    """Turn the plugin on for ``command`` with the parsed arguments ``args``.
+
+    Called once per process after parsing (for lora: after the YAML merge),
+    before mlx-lm loads a model. Validate options here and raise
+    ``PluginError`` with a clear message for bad ones.
+    """
+
+
+@hookspec
+def deactivate():
+    """Undo ``activate`` (``mlx_lm_ext.disable``); restore what was patched."""
+
+
+@hookspec(firstresult=True)
+def make_prompt_cache(args, max_size):
+    """Return the server's prompt cache, or ``None`` to leave it alone.
+
+    Called where ``mlx_lm.server`` builds ``LRUPromptCache(max_size)``; the
+    result must behave as an ``LRUPromptCache``. ``args`` is the server's
+    parsed command line. If this hook raises, the server keeps the stock
+    cache and logs a warning.
+    """
+
+
+@hookspec(firstresult=True)
+def make_drafter(command, model, tokenizer, draft_model, args):
+    """Return a drafter for speculative decoding, or ``None``.
+
+    Called once the target model (and mlx-lm's own ``--draft-model``, passed
+    as ``draft_model`` or ``None``) is loaded, in ``mlx_lm.generate`` and in
+    ``mlx_lm.server``. The result is handed to mlx-lm as its ``draft_model``,
+    so it reaches ``speculative_generate_step`` below.
+    """
+
+
+@hookspec(firstresult=True)
+def speculative_generate_step(prompt, model, draft_model, kwargs):
+    """Return a generator for mlx-lm's speculative path, or ``None``.
+
+    Called for every call of ``mlx_lm.generate.speculative_generate_step``
+    (``stream_generate`` with a ``draft_model``). ``kwargs`` holds the rest of
+    that call (``stream``, ``num_draft_tokens``, ``max_tokens``, ``sampler``,
+    ``logits_processors``, ``prompt_cache``, ...). The generator must yield
+    ``(token: int, logprobs: mx.array[V], from_draft: bool)`` as mlx-lm's does.
+    Return ``None`` for a ``draft_model`` this plugin does not handle, and
+    mlx-lm's own implementation runs.
+    """
+
+
+@hookspec(firstresult=True)
+def make_loss(name, model, args):
+    """Return a training loss for ``--loss name``, or ``None``.
+
+    The loss has mlx-lm's ``default_loss(model, batch, lengths)`` signature
+    and returns ``(mean_loss, ntokens)``. It is used for training and
+    evaluation in ``mlx_lm.lora`` and must work inside the compiled step.
+    """
+
+
+@hookspec
+def add_subcommands(subparsers):
+    """Add subcommands to the ``mlx-lm-ext`` command.
+
+    Each added parser must ``set_defaults(func=callable)``; the callable gets
+    the parsed arguments and returns an exit status.
+    """
+
+
+@hookspec
+def doctor():
+    """Return ``[(label, value), ...]`` lines for ``mlx-lm-ext doctor``."""
