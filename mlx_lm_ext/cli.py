@@ -1,0 +1,206 @@
+"""The ``mlx-lm-ext`` command: plugins, doctor, model, and plugin subcommands.
+
+``mlx-lm-ext generate|server|lora|... ARGS`` (and ``python -m mlx_lm_ext``)
+also runs mlx-lm's own command with the plugins wired in, for interpreters
+where the start-up ``.pth`` hook does not run.
+"""
+
+import argparse
+import importlib
+import importlib.metadata
+import os
+import platform
+import sys
+import time
+
+from . import __version__, compat, plugins
+
+# mlx-lm's own subcommands (mlx_lm/cli.py), run through with plugins enabled.
+MLX_LM_COMMANDS = (
+    "awq", "benchmark", "cache_prompt", "chat", "convert", "dwq", "dynamic_quant",
+    "evaluate", "fuse", "generate", "gptq", "lora", "manage", "perplexity",
+    "server", "share", "upload",
+)
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+
+def run_mlx_lm(command, argv):
+    """Run ``mlx_lm <command>`` with the start-up hook installed first."""
+    from . import _boot
+
+    _boot.install()
+    from mlx_lm import cli as mlx_cli  # mlx-lm's own dispatcher
+
+    sys.argv = ["mlx_lm", command, *argv]
+    return mlx_cli.main()
+
+
+# ---------------------------------------------------------------- plugins
+
+
+def cmd_plugins(args):
+    found = plugins.installed()
+    if not found:
+        print("No plugins installed. Install one, e.g. pip install -e plugins/spec-decode")
+        return 0
+    rows = [("plugin", "distribution", "version", "extends")]
+    for name in sorted(found):
+        dist, version = plugins.distribution(name)
+        try:
+            extends = ", ".join(f"mlx_lm.{c}" for c in plugins.commands_of(name))
+        except plugins.PluginError as e:
+            extends = f"(broken: {e})"
+        rows.append((name, dist, version, extends or "-"))
+    _print_table(rows)
+    return 0
+
+
+def _print_table(rows):
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+# ----------------------------------------------------------------- doctor
+
+
+def _hook_installed():
+    import site
+
+    dirs = site.getsitepackages() + [site.getusersitepackages()]
+    for d in dirs:
+        if os.path.exists(os.path.join(d, "mlx_lm_ext.pth")):
+            return os.path.join(d, "mlx_lm_ext.pth")
+    return None
+
+
+def _backend(mx):
+    if mx.metal.is_available():
+        return "Metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "CUDA"
+    return "CPU"
+
+
+def _blas_report(mx):
+    """On Linux CPU: which BLAS MLX uses, and a measured float32 GFLOP/s."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    openblas = "libopenblas" in maps
+    n = 512
+    a = mx.random.normal((n, n))
+    b = mx.random.normal((n, n))
+    mx.eval(a @ b)
+    t0 = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        mx.eval(a @ b)
+    gflops = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+    if openblas:
+        return f"OpenBLAS loaded ({gflops:.0f} GFLOP/s float32 matmul)"
+    hint = (
+        f"apt-get install libopenblas0-pthread and run with LD_PRELOAD={OPENBLAS}"
+    )
+    return f"bundled reference BLAS ({gflops:.1f} GFLOP/s float32 matmul): slow; {hint}"
+
+
+def cmd_doctor(args):
+    from . import _boot
+
+    lines = [("mlx-lm-ext", __version__)]
+    lines.append(("python", f"{platform.python_version()} ({sys.executable})"))
+    try:
+        import mlx.core as mx
+    except ImportError as e:
+        lines.append(("mlx", f"not importable: {e}; install mlx-lm-ext[cpu] or [cuda]"))
+        _print_table(lines)
+        return 1
+    lines.append(("mlx", importlib.metadata.version("mlx")))
+    problem = compat.problem()
+    lines.append(("mlx-lm", compat.mlx_lm_version() + (f"  ({problem})" if problem else "  (supported)")))
+    backend = _backend(mx)
+    lines.append(("backend", f"{backend} (default device {mx.default_device()})"))
+    pth = _hook_installed()
+    if pth and _boot.active():
+        hook = f"active ({pth})"
+    elif pth:
+        hook = f"installed but not running in this process ({pth}); use python -m mlx_lm_ext"
+    else:
+        hook = "not installed: use python -m mlx_lm_ext <command> ..."
+    lines.append(("start-up hook", hook))
+    if backend == "CPU" and sys.platform.startswith("linux"):
+        lines.append(("BLAS", _blas_report(mx)))
+    lines.append(("plugins", ", ".join(sorted(plugins.installed())) or "none"))
+    for name in sorted(plugins.installed()):
+        try:
+            extra = plugins.call(plugins.load(name), "doctor") or []
+        except Exception as e:
+            extra = [("error", repr(e))]
+        lines += [(f"{name}: {label}", value) for label, value in extra]
+    _print_table(lines)
+    return 1 if problem else 0
+
+
+# ------------------------------------------------------------------ model
+
+
+def cmd_model(args):
+    from . import models
+
+    if args.list or not args.name:
+        for name in models.NAMES:
+            print(name)
+        return 0
+    if args.name not in models.NAMES:
+        plugins.fail(f"unknown model '{args.name}' (models: {', '.join(models.NAMES)})")
+    try:
+        path = models.build(args.name, progress=not args.quiet)
+    except (OSError, RuntimeError, ValueError) as e:
+        plugins.fail(str(e), status=1)
+    print(path)
+    return 0
+
+
+# ------------------------------------------------------------------- main
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="mlx-lm-ext",
+        description="Plugins for mlx-lm. Also runs mlx-lm's commands with plugins "
+        f"wired in: mlx-lm-ext {{{','.join(MLX_LM_COMMANDS[:3])},...}} ARGS.",
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("plugins", help="installed plugins and the commands they extend")
+    p.set_defaults(func=cmd_plugins)
+    p = sub.add_parser("doctor", help="versions, backend, start-up hook, BLAS, plugin checks")
+    p.set_defaults(func=cmd_doctor)
+    p = sub.add_parser("model", help="print the path of a ready offline model, building it once")
+    p.add_argument("name", nargs="?", help="e.g. smollm2-135m or smollm2-135m-f32")
+    p.add_argument("--list", action="store_true", help="list the models that can be built")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_model)
+    for name in sorted(plugins.installed()):
+        try:
+            plugins.call(plugins.load(name), "add_subcommands", subparsers=sub)
+        except Exception as e:
+            print(f"mlx-lm-ext: plugin '{name}' could not add its commands: {e}", file=sys.stderr)
+    return parser
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in MLX_LM_COMMANDS:
+        return run_mlx_lm(argv[0], argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

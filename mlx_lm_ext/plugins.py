@@ -1,0 +1,208 @@
+"""The plugin manager: find installed plugins, register the named ones.
+
+Plugins are found through the entry-point group ``mlx_lm_ext.plugins`` but
+imported only when named, so an installed plugin that nobody names costs
+nothing and changes nothing.
+"""
+
+import argparse
+import importlib.metadata
+import logging
+import sys
+
+import pluggy
+
+from . import PluginError, hookspecs
+
+GROUP = "mlx_lm_ext.plugins"
+COMMANDS = ("generate", "server", "lora")
+
+log = logging.getLogger("mlx_lm_ext")
+
+
+
+class ActivationFailed(PluginError):
+    """A plugin broke while activating (not the user's input): exit status 1."""
+
+
+_pm = None
+_active = {}  # name -> (plugin object, args Namespace)
+
+
+def manager():
+    global _pm
+    if _pm is None:
+        _pm = pluggy.PluginManager("mlx_lm_ext")
+        _pm.add_hookspecs(hookspecs)
+    return _pm
+
+
+def hook():
+    return manager().hook
+
+
+def installed():
+    """``{name: EntryPoint}`` of every installed plugin."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=GROUP)}
+
+
+def distribution(name):
+    """``(distribution name, version)`` that provides plugin ``name``."""
+    ep = installed().get(name)
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return ("?", "?")
+    return (dist.metadata["Name"], dist.version)
+
+
+def split_names(values):
+    """``["a,b", "c"]`` -> ``["a", "b", "c"]``: --plugin repeats and takes commas."""
+    if values is None:
+        return []
+    if isinstance(values, str):
+        values = [values]
+    names = []
+    for v in values:
+        for name in str(v).split(","):
+            name = name.strip()
+            if name and name not in names:
+                names.append(name)
+    return names
+
+
+def unknown_message(name):
+    names = sorted(installed())
+    have = ", ".join(names) if names else "none"
+    return f"unknown plugin '{name}' (installed plugins: {have})"
+
+
+def load(name):
+    """Import plugin ``name`` and register it; returns the plugin object."""
+    pm = manager()
+    plugin = pm.get_plugin(name)
+    if plugin is not None:
+        return plugin
+    ep = installed().get(name)
+    if ep is None:
+        raise PluginError(unknown_message(name))
+    try:
+        plugin = ep.load()
+    except Exception as e:
+        raise PluginError(f"plugin '{name}' failed to import: {e!r}") from e
+    pm.register(plugin, name=name)
+    return plugin
+
+
+def call(plugin, hookname, **kwargs):
+    """Call one plugin's implementation of ``hookname`` (None if it has none)."""
+    caller = getattr(manager().hook, hookname)
+    for impl in caller.get_hookimpls():
+        if impl.plugin is plugin:
+            return impl.function(**kwargs)
+    return None
+
+
+def implements(hookname, names=None):
+    """Whether any (or any of ``names``) registered plugin implements a hook."""
+    pm = manager()
+    caller = getattr(pm.hook, hookname)
+    plugins = None if names is None else {pm.get_plugin(n) for n in names}
+    return any(
+        plugins is None or impl.plugin in plugins for impl in caller.get_hookimpls()
+    )
+
+
+def commands_of(name):
+    return list(call(load(name), "commands") or [])
+
+
+def check_command(name, command):
+    """Refuse a plugin named on a command it does not extend."""
+    cmds = commands_of(name)
+    if command in COMMANDS and command not in cmds:
+        extends = ", ".join(f"mlx_lm.{c}" for c in cmds) or "nothing"
+        raise PluginError(
+            f"plugin '{name}' does not extend mlx_lm.{command} (it extends: {extends})"
+        )
+
+
+def add_arguments(name, command, parser):
+    """Add plugin ``name``'s flags to ``parser`` in a group of their own."""
+    group = parser.add_argument_group(f"plugin {name}")
+    call(load(name), "add_arguments", command=command, group=group)
+    return group
+
+
+def defaults(name, command):
+    """A Namespace of plugin ``name``'s flag defaults for ``command``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(name, command, parser)
+    return parser.parse_args([])
+
+
+def activate(name, command, args):
+    """Activate plugin ``name``; errors become ``PluginError`` with a clear text."""
+    from . import compat
+
+    compat.check()
+    plugin = load(name)
+    if name in _active:
+        return plugin
+    try:
+        call(plugin, "activate", command=command, args=args)
+    except PluginError:
+        raise
+    except Exception as e:
+        log.debug("activation of %s failed", name, exc_info=True)
+        raise ActivationFailed(f"plugin '{name}' failed to activate: {e}") from e
+    _active[name] = (plugin, args)
+    from . import integration
+
+    integration.on_activate(command)
+    return plugin
+
+
+def active():
+    """``{name: args}`` of active plugins."""
+    return {name: args for name, (_, args) in _active.items()}
+
+
+def deactivate(name):
+    entry = _active.pop(name, None)
+    if entry is None:
+        return
+    plugin = entry[0]
+    try:
+        call(plugin, "deactivate")
+    finally:
+        manager().unregister(plugin)
+        from . import integration
+
+        integration.on_deactivate()
+
+
+def enable(name, **options):
+    """Python API: activate ``name`` for calls made from this process."""
+    from . import _boot
+
+    _boot.install()  # where no .pth ran (python -S, embedded interpreters)
+    args = defaults(name, "python")
+    for key, value in options.items():
+        if not hasattr(args, key):
+            known = ", ".join(sorted(vars(args))) or "none"
+            raise PluginError(
+                f"plugin '{name}' has no option '{key}' (options: {known})"
+            )
+        setattr(args, key, value)
+    activate(name, "python", args)
+    return load(name)
+
+
+def disable(name):
+    deactivate(name)
+
+
+def fail(message, status=2):
+    """Exit as argparse does for bad input, without a traceback."""
+    print(f"mlx-lm-ext: error: {message}", file=sys.stderr)
+    raise SystemExit(status)

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs everything and runs the whole test suite (core and every plugin).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+source scripts/env.sh
+set +e
+python -m pytest -ra "$@"
+rc=$?
+set -e
+[ $rc -eq 5 ] && { echo "no tests ran"; exit 1; }
+exit $rc
