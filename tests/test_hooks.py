@@ -1,0 +1,109 @@
+"""In-process tests of the plugin manager and the Python API."""
+
+import argparse
+import sys
+
+import pytest
+
+from mlx_lm_ext import PluginError
+
+
+def test_split_names():
+    from mlx_lm_ext.plugins import split_names
+
+    assert split_names(None) == []
+    assert split_names("a") == ["a"]
+    assert split_names(["a,b", "c", " b ", ""]) == ["a", "b", "c"]
+
+
+def test_installed_plugins_are_discovered_but_not_imported(host, plugin_log):
+    assert {"testplugin", "serveronly"} <= set(host.installed())
+    assert host.distribution("testplugin") == ("mlx-lm-ext-testplugin", "1.2.3")
+    assert "mlx_lm_ext_testplugin" not in sys.modules
+    assert plugin_log() == []
+
+
+def test_unknown_plugin_lists_installed(host):
+    with pytest.raises(PluginError, match=r"unknown plugin 'nope'.*serveronly.*testplugin"):
+        host.load("nope")
+
+
+def test_check_command_refuses_other_commands(host):
+    host.check_command("serveronly", "server")
+    with pytest.raises(PluginError, match="does not extend mlx_lm.generate"):
+        host.check_command("serveronly", "generate")
+
+
+def test_plugin_flags_in_own_group(host):
+    parser = argparse.ArgumentParser()
+    group = host.add_arguments("testplugin", "generate", parser)
+    assert group.title == "plugin testplugin"
+    assert "--testplugin-mode" in parser.format_help()
+    assert host.defaults("testplugin", "generate").testplugin_mode is None
+
+
+def test_enable_passes_options_and_disable_deactivates(host, plugin_log):
+    import mlx_lm_ext
+
+    mlx_lm_ext.enable("testplugin", testplugin_mode="fast")
+    assert mlx_lm_ext.enabled() == ["testplugin"]
+    assert ["activate", "python", "fast"] in plugin_log()
+    mlx_lm_ext.disable("testplugin")
+    assert mlx_lm_ext.enabled() == []
+    assert ["deactivate"] in plugin_log()
+
+
+def test_enable_errors_are_clear(host):
+    import mlx_lm_ext
+    from mlx_lm_ext.plugins import ActivationFailed
+
+    with pytest.raises(PluginError, match="has no option 'colour'.*testplugin_mode"):
+        mlx_lm_ext.enable("testplugin", colour="red")
+    with pytest.raises(PluginError, match="not allowed"):
+        mlx_lm_ext.enable("testplugin", testplugin_mode="bad")
+    with pytest.raises(ActivationFailed, match="failed to activate: simulated crash"):
+        mlx_lm_ext.enable("testplugin", testplugin_mode="crash")
+    assert mlx_lm_ext.enabled() == []
+
+
+def test_dispatcher_routes_to_plugin_and_is_removed_on_disable(host, plugin_log, tiny_model):
+    import mlx_lm
+    import mlx_lm_ext
+
+    gen_mod = sys.modules["mlx_lm.generate"]
+    stock_step = gen_mod.speculative_generate_step
+    model, tokenizer = mlx_lm.load(str(tiny_model("llama")))
+    prompt = "The quick brown fox"
+    stock = mlx_lm.generate(model, tokenizer, prompt, max_tokens=12)
+
+    mlx_lm_ext.enable("testplugin")
+    assert gen_mod.speculative_generate_step is not stock_step
+    drafter = sys.modules["mlx_lm_ext_testplugin"].EchoDrafter()
+    text = "".join(
+        r.text
+        for r in mlx_lm.stream_generate(
+            model, tokenizer, prompt, max_tokens=12, draft_model=drafter
+        )
+    )
+    assert text == stock
+    assert ["speculative_generate_step"] in plugin_log()
+
+    mlx_lm_ext.disable("testplugin")
+    assert gen_mod.speculative_generate_step is stock_step
+
+
+def test_boot_patches_late_imports_once():
+    from mlx_lm_ext import _boot, integration
+
+    mod = sys.modules.get("mlx_lm.generate")
+    if mod is None:
+        import importlib
+
+        mod = importlib.import_module("mlx_lm.generate")
+    assert _boot.active()
+    assert getattr(mod, "_mlx_lm_ext_patched", False)
+    wrapped = mod.setup_arg_parser
+    integration.patch(mod)  # idempotent, as importlib.reload would do
+    assert mod.setup_arg_parser is wrapped
+    parser = mod.setup_arg_parser()
+    assert "--plugin" in parser.format_help()
