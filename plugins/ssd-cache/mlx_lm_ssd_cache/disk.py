@@ -164,7 +164,7 @@ class DiskTier:
         except FileNotFoundError:
             return
         except OSError as e:
-            self._warn(_kind(e), f"cannot list {space.path}: {e}")
+            self._warn("list: " + _kind(e), f"cannot list {space.path}: {e}")
             return
         found = {}
         for name in names:
@@ -194,7 +194,7 @@ class DiskTier:
             return None
         except OSError as e:
             if not isinstance(e, FileNotFoundError):
-                self._warn(_kind(e), f"cannot read {path}: {e}")
+                self._warn("read: " + _kind(e), f"cannot read {path}: {e}")
             return None
         return Entry(path.name, header.tokens, header.trimmable, header.size, header.mtime)
 
@@ -298,7 +298,7 @@ class DiskTier:
             self._forget(space, entry.name)
             self._warn("vanished", f"entry {path} vanished (removed by another process?)")
         except OSError as e:
-            self._warn(_kind(e), f"cannot read {path}: {e}")
+            self._warn("read: " + _kind(e), f"cannot read {path}: {e}")
         return None
 
     def _forget(self, space, name):
@@ -468,7 +468,7 @@ class DiskTier:
             os.replace(tmp, space.path / entry.name)
             _fsync_dir(space.path)
         except OSError as e:
-            self._warn(_kind(e), f"prompt cache not stored in {space.path}: {e}")
+            self._warn("write: " + _kind(e), f"prompt cache not stored in {space.path}: {_kind(e)}: {e}")
             self._count(failures=1)
             try:
                 os.unlink(tmp)
@@ -519,7 +519,7 @@ class DiskTier:
         except FileNotFoundError:
             pass
         except OSError as e:
-            self._warn(_kind(e), f"cannot remove {space.path / entry.name}: {e}")
+            self._warn("remove: " + _kind(e), f"cannot remove {space.path / entry.name}: {e}")
         return True
 
     def _stored(self):

@@ -140,28 +140,26 @@ class PrefixIndex:
             if best is None or (length, -entry.nbytes) > (best.length, -best.entry.nbytes):
                 best = Match(entry, length)
 
-        # Trimmable entries: the deepest block boundary shared with the prompt.
+        # Trimmable entries: the deepest block boundary one shares with the prompt.
         for i in range((n // self.block) * self.block, 0, -self.block):
             if i + self.block - 1 <= at_least:
                 break  # nothing found from here on can beat at_least
             group = self._blocks.get((i, int(h[i])))
             if not group:
                 continue
-            real = [e for e in group if np.array_equal(e.tokens[:i], tokens[:i])]
-            if not real:
-                continue
+            real = [
+                e for e in group
+                if e.trimmable and np.array_equal(e.tokens[:i], tokens[:i])
+            ]
             for e in real:
-                common = i + common_length(e.tokens[i:], tokens[i:])
-                if e.trimmable:
-                    offer(e, min(common, cap))
-                elif common == len(e.tokens) <= cap:
-                    offer(e, common)
-            break
+                offer(e, min(i + common_length(e.tokens[i:], tokens[i:]), cap))
+            if real:
+                break  # shallower boundaries give fewer than i tokens
 
         # Entries that are a prefix of the prompt (any cache type, any length).
         hl = h[: cap + 1].tolist()
         for i in range(cap, max(at_least, 0), -1):
-            if best is not None and i <= best.length:
+            if best is not None and i < best.length:
                 break
             if hl[i] not in self._end_hashes:
                 continue
