@@ -48,6 +48,7 @@ class Space:
     info: dict
     index: PrefixIndex
     pending: int = 0  # entries in the index whose file is not written yet
+    seen: object = None  # directory (mtime, size) at the last scan
 
 
 def entry_name(namespace, tokens):
@@ -88,6 +89,9 @@ class DiskTier:
         self._identify = identify
         self._spaces = {}  # model key -> Space, or None when it has no disk tier
         self._space_lock = threading.Lock()  # one identification + scan at a time
+        # Held by a scan and around each rename or removal, so that a scan
+        # never misses a file that the writer is about to index.
+        self._dir_lock = threading.RLock()
         self._lock = threading.Lock()  # index, pending, counters
         self._jobs = deque()
         self._wake = threading.Condition(self._lock)
@@ -158,8 +162,23 @@ class DiskTier:
             return space
 
     def _scan(self, space):
+        with self._dir_lock:
+            self._scan_locked(space)
+
+    def _refresh(self, space):
+        """Rescan when the directory changed (another server wrote or removed)."""
+        try:
+            st = os.stat(space.path)
+        except OSError:
+            return
+        if (st.st_mtime_ns, st.st_size) != space.seen:
+            self._scan(space)
+
+    def _scan_locked(self, space):
         """Header-only scan of one directory: index good entries, drop bad ones."""
         try:
+            st = os.stat(space.path)
+            space.seen = (st.st_mtime_ns, st.st_size)
             names = os.listdir(space.path)
         except FileNotFoundError:
             return
@@ -250,6 +269,7 @@ class DiskTier:
         space = self._space(model_key)
         if space is None:
             return None
+        self._refresh(space)
         self._count(lookups=1)
         for _ in range(3):  # a vanished or corrupt file: try the next best entry
             with self._lock:  # pending entries are in the index too
@@ -434,22 +454,30 @@ class DiskTier:
 
     def _job_write(self, space, entry):
         snap = entry.extra["snapshot"]
-        ok = False
-        try:
-            ok = self._write(space, entry, snap)
-        finally:
+        t0 = time.perf_counter()
+        done = self._write_tmp(space, entry, snap)
+        # The rename and the index update happen together under the directory
+        # lock: a scan never sees the new file while the index has it pending.
+        with self._dir_lock:
+            if done is not None:
+                done = self._rename(space, entry, done)
             with self._lock:
                 space.pending -= 1
                 self._pending_bytes -= snap.nbytes
                 entry.extra = {}
-                if not ok and space.index.entries.get(entry.name) is entry:
+                if done is None and space.index.entries.get(entry.name) is entry:
                     space.index.remove(entry.name)
-        if ok:
-            self._supersede(space, entry)
-            self._enforce_cap(keep=entry)
+        if done is None:
+            return
+        entry.nbytes = done
+        dt = time.perf_counter() - t0
+        self._count(writes=1, written_bytes=done, write_s=dt)
+        log.debug("ssd-cache: stored %d tokens (%d bytes) in %.3f s", len(entry.tokens), done, dt)
+        self._supersede(space, entry)
+        self._enforce_cap(keep=entry)
 
-    def _write(self, space, entry, snap):
-        t0 = time.perf_counter()
+    def _write_tmp(self, space, entry, snap):
+        """Write the entry to a temp file: ``(tmp path, size)``, or None."""
         self._make_room(snap.nbytes)
         tmp = space.path / f".{entry.name}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         meta = {
@@ -464,22 +492,29 @@ class DiskTier:
         try:
             space.path.mkdir(parents=True, exist_ok=True)
             self._write_info(space)
-            size = fileformat.write(tmp, snap, meta)
-            os.replace(tmp, space.path / entry.name)
-            _fsync_dir(space.path)
+            return tmp, fileformat.write(tmp, snap, meta)
         except OSError as e:
-            self._warn("write: " + _kind(e), f"prompt cache not stored in {space.path}: {_kind(e)}: {e}")
-            self._count(failures=1)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            return False
-        entry.nbytes = size
-        dt = time.perf_counter() - t0
-        self._count(writes=1, written_bytes=size, write_s=dt)
-        log.debug("ssd-cache: stored %d tokens (%d bytes) in %.3f s", len(entry.tokens), size, dt)
-        return True
+            self._write_failed(space, tmp, e)
+            return None
+
+    def _rename(self, space, entry, done):
+        tmp, size = done
+        try:
+            os.replace(tmp, space.path / entry.name)
+        except OSError as e:
+            self._write_failed(space, tmp, e)
+            return None
+        _fsync_dir(space.path)
+        return size
+
+    def _write_failed(self, space, tmp, e):
+        kind = _kind(e)
+        self._warn("write: " + kind, f"prompt cache not stored in {space.path}: {kind}: {e}")
+        self._count(failures=1)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
     def _write_info(self, space):
         """A readable note of what a fingerprint stands for (for ``ssd-cache stats``)."""
@@ -510,16 +545,17 @@ class DiskTier:
                 self._count(superseded=1)
 
     def _delete(self, space, entry):
-        with self._lock:
-            if space.index.entries.get(entry.name) is not entry:
-                return False
-            space.index.remove(entry.name)
-        try:
-            os.unlink(space.path / entry.name)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            self._warn("remove: " + _kind(e), f"cannot remove {space.path / entry.name}: {e}")
+        with self._dir_lock:
+            with self._lock:
+                if space.index.entries.get(entry.name) is not entry:
+                    return False
+                space.index.remove(entry.name)
+            try:
+                os.unlink(space.path / entry.name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._warn("remove: " + _kind(e), f"cannot remove {space.path / entry.name}: {e}")
         return True
 
     def _stored(self):
