@@ -1,0 +1,89 @@
+"""The drafter protocol: what the verify loop asks of a drafter.
+
+A drafter proposes tokens that the target model then verifies in one forward
+pass. The loop (``loop.speculative_generate_step``) owns the target model and
+its caches; a drafter owns only its own state, kept in the caches it makes,
+which ride along in the prompt cache list after the target's (as mlx-lm lays
+out a draft model's caches), so a server prompt cache stores and restores them
+with the target's.
+
+The history a drafter sees is the token sequence the target has consumed or
+emitted in this prompt cache: the cached prefix (as far as the drafter's own
+caches remember it), then ``prefill(ctx, prompt)``, then every
+``accept(ctx, tokens, n_drafted)``. A drafter must keep that history exactly:
+
+- ``make_cache() -> list``: fresh drafter caches (may be ``[]``). Each must be
+  trimmable (``is_trimmable``/``trim``) and deep-copyable, and report
+  ``nbytes``: the server's LRU prompt cache copies, trims and sizes them.
+- ``cache_ok(caches) -> bool``: whether ``caches`` (from a restored prompt
+  cache) are this drafter's; if not, the loop makes fresh ones in place.
+- ``prefill(ctx, tokens)``: extend the history by the prompt tokens.
+- ``draft(ctx, n) -> (tokens, probs)``: propose up to ``n`` tokens that
+  continue the history (fewer, even none, is fine). ``probs`` is ``None``
+  when the proposal is deterministic, else a ``[len(tokens), V]`` array: the
+  distribution each token was sampled from (used by the lossless acceptance
+  rule at temperature > 0). Drafting must not change the history.
+- ``accept(ctx, tokens, n_drafted)``: the target emitted ``tokens``; the first
+  ``n_drafted`` of them are the drafter's own proposals from the last
+  ``draft`` call, in order. Roll back anything speculative beyond them.
+- ``trim(ctx, n)``: drop the last ``n`` tokens of the history (the consumer
+  stopped before taking all accepted tokens).
+- ``flush(ctx)``: make the caches hold the whole history (a drafter may
+  defer work, e.g. a draft model feeds its last tokens on the next draft).
+  Called when the generator closes, so a stored prompt cache is exact.
+
+``ctx`` is a ``DraftContext``: the target model, the target's caches, the
+drafter's caches, the sampling temperature and filters (``ctx.filter``), and,
+for drafters that set ``needs_hidden = True``, ``ctx.hidden``: the target's
+final hidden state (before the lm-head, ``[1, D]``) at the position that
+produced the last emitted token. That, with read access to
+``ctx.target_cache``, is what a KV-borrowing assistant drafter needs.
+
+Class attributes: ``name`` (shown in stats), ``max_draft`` (upper bound for
+the adaptive draft length), ``needs_hidden``.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+
+@dataclass
+class DraftContext:
+    model: Any
+    target_cache: list
+    cache: list
+    temp: float = 0.0
+    # logprobs -> filtered logprobs (top-p/top-k/min-p), or None
+    filter: Optional[Callable] = None
+    hidden: Any = None
+    # per-request scratch space for the drafter (pending tokens etc.)
+    state: dict = field(default_factory=dict)
+
+
+class Drafter:
+    """Base class: a stateless drafter that never proposes anything."""
+
+    name = "drafter"
+    max_draft = 8
+    needs_hidden = False
+
+    def make_cache(self) -> List[Any]:
+        return []
+
+    def cache_ok(self, caches) -> bool:
+        return len(caches) == len(self.make_cache())
+
+    def prefill(self, ctx, tokens):
+        pass
+
+    def draft(self, ctx, n):
+        return [], None
+
+    def accept(self, ctx, tokens, n_drafted):
+        pass
+
+    def trim(self, ctx, n):
+        pass
+
+    def flush(self, ctx):
+        pass

@@ -1,0 +1,149 @@
+"""Prompt lookup: propose what followed the last occurrence of the current
+suffix in the prompt and the generated text. No model, no forward pass.
+
+The history and its n-gram index live in an ``NGramCache`` that rides in the
+prompt cache list, so a server prompt cache restores the lookup table with
+the target's KV cache. Appending a token updates the index in O(n_max)
+(independent of the history length), proposals cost one dict lookup per
+n-gram length, and an undo log makes ``trim`` exact.
+"""
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from .drafter import Drafter
+
+
+class NGramCache(_BaseCache):
+    """Token history plus ``{n-gram: position after its latest occurrence}``."""
+
+    def __init__(self, n_min=2, n_max=4):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {n_min}, {n_max}")
+        self.n_min = n_min
+        self.n_max = n_max
+        self.tokens = []
+        self.index = {}
+        # One entry per position: the index values it replaced, for trim().
+        self.undo = []
+
+    def extend(self, tokens):
+        toks, index, undo = self.tokens, self.index, self.undo
+        for t in tokens:
+            i = len(toks)
+            changes = []
+            # n-grams ending just before position i now have a continuation.
+            for n in range(self.n_min, min(self.n_max, i) + 1):
+                key = tuple(toks[i - n : i])
+                changes.append((key, index.get(key)))
+                index[key] = i
+            toks.append(int(t))
+            undo.append(changes)
+
+    def lookup(self, n_tokens):
+        """Continue the longest suffix seen before, copying what followed it."""
+        toks = self.tokens
+        size = len(toks)
+        for n in range(min(self.n_max, size), self.n_min - 1, -1):
+            start = self.index.get(tuple(toks[size - n :]))
+            if start is None:
+                continue
+            out = []
+            for k in range(n_tokens):
+                # Copy LZ77-style: a match running into the present repeats.
+                src = start + k
+                out.append(toks[src] if src < size else out[src - size])
+            return out
+        return []
+
+    # -- mlx-lm cache interface (trim, copy, size, save) -----------------------
+    @property
+    def offset(self):
+        return len(self.tokens)
+
+    def size(self):
+        return len(self.tokens)
+
+    def empty(self):
+        return not self.tokens
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        n = min(n, len(self.tokens))
+        for _ in range(n):
+            self.tokens.pop()
+            for key, old in reversed(self.undo.pop()):
+                if old is None:
+                    del self.index[key]
+                else:
+                    self.index[key] = old
+        return n
+
+    @property
+    def nbytes(self):
+        # int32 ids plus one key per indexed n-gram length (an estimate:
+        # Python objects are larger, but this is what the data amounts to).
+        return 4 * len(self.tokens) * (2 + self.n_max - self.n_min)
+
+    @property
+    def state(self):
+        return mx.array(self.tokens, dtype=mx.int32)
+
+    @state.setter
+    def state(self, v):
+        self.tokens, self.index, self.undo = [], {}, []
+        self.extend(v.tolist() if isinstance(v, mx.array) else v)
+
+    @property
+    def meta_state(self):
+        return (str(self.n_min), str(self.n_max))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.n_min, self.n_max = int(v[0]), int(v[1])
+
+    @classmethod
+    def from_state(cls, state, meta_state=("2", "4")):
+        obj = cls(int(meta_state[0]), int(meta_state[1]))
+        obj.state = state
+        return obj
+
+
+class NGramDrafter(Drafter):
+    """Prompt-lookup drafter: longest n-gram match first, ``n_max`` down to ``n_min``."""
+
+    name = "ngram"
+
+    def __init__(self, n_max=4, n_min=2, max_draft=10):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {n_min}, {n_max}")
+        if max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+        self.n_max, self.n_min, self.max_draft = n_max, n_min, max_draft
+
+    def __repr__(self):
+        return f"NGramDrafter(n_max={self.n_max}, n_min={self.n_min}, max_draft={self.max_draft})"
+
+    def make_cache(self):
+        return [NGramCache(self.n_min, self.n_max)]
+
+    def cache_ok(self, caches):
+        return (
+            len(caches) == 1
+            and isinstance(caches[0], NGramCache)
+            and (caches[0].n_min, caches[0].n_max) == (self.n_min, self.n_max)
+        )
+
+    def prefill(self, ctx, tokens):
+        ctx.cache[0].extend(tokens)
+
+    def draft(self, ctx, n):
+        return ctx.cache[0].lookup(n), None
+
+    def accept(self, ctx, tokens, n_drafted):
+        ctx.cache[0].extend(tokens)
+
+    def trim(self, ctx, n):
+        ctx.cache[0].trim(n)

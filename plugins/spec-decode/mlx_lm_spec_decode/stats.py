@@ -1,0 +1,68 @@
+"""Per-request figures of the verify loop, for --verbose, the server's usage
+field and its log line."""
+
+import threading
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+_local = threading.local()
+
+
+@dataclass
+class SpecStats:
+    drafter: str
+    gamma_start: int
+    gamma: int = 0
+    drafted: int = 0  # drafted tokens the target verified
+    accepted: int = 0  # of those, the ones it kept
+    emitted: int = 0  # tokens yielded
+    forwards: int = 0  # target forwards that produced tokens (verify or plain)
+    draft_rounds: int = 0  # forwards that verified at least one draft
+    auto_off: bool = False  # drafting switched off as slower than plain decoding
+    fallback: Optional[str] = None  # why the request decoded plainly, if it did
+
+    @property
+    def acceptance(self):
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self):
+        return self.emitted / self.forwards if self.forwards else 0.0
+
+    def as_dict(self):
+        d = asdict(self)
+        d["acceptance_rate"] = round(self.acceptance, 4)
+        d["tokens_per_forward"] = round(self.tokens_per_forward, 4)
+        return d
+
+    def line(self):
+        s = (
+            f"Speculative decoding ({self.drafter}): drafted {self.drafted}, "
+            f"accepted {self.accepted} ({100 * self.acceptance:.1f}%), "
+            f"{self.tokens_per_forward:.2f} tokens per target forward "
+            f"({self.emitted} tokens, {self.forwards} forwards), "
+            f"draft length {self.gamma_start}->{self.gamma}"
+        )
+        if self.auto_off:
+            s += ", drafting switched off (slower than plain decoding)"
+        if self.fallback:
+            s += f", plain decoding: {self.fallback}"
+        return s
+
+
+def start(stats):
+    """Record ``stats`` as this thread's latest request (and hand it to a sink)."""
+    _local.last = stats
+    sink = getattr(_local, "sink", None)
+    if sink is not None:
+        sink(stats)
+
+
+def last():
+    """The stats of the latest speculative request on this thread, or None."""
+    return getattr(_local, "last", None)
+
+
+def set_sink(fn):
+    """Call ``fn(stats)`` for each request started on this thread (None to stop)."""
+    _local.sink = fn
