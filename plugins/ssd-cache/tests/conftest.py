@@ -130,11 +130,13 @@ def free_port():
 class Server:
     """``mlx_lm.server --plugin ssd-cache`` in a subprocess on 127.0.0.1."""
 
-    def __init__(self, model, cache_dir, log_path, extra=(), env=None):
+    def __init__(self, model, cache_dir, log_path, extra=(), env=None, faults=False):
         self.port = free_port()
         self.log_path = Path(log_path)
+        # faults=True: the same server through fault_server.py (slow/hanging writes)
+        start = [str(HERE / "fault_server.py")] if faults else ["-m", "mlx_lm", "server"]
         cmd = [
-            sys.executable, "-m", "mlx_lm", "server", "--model", str(model),
+            sys.executable, *start, "--model", str(model),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--plugin", "ssd-cache", "--ssd-cache-dir", str(cache_dir),
             *extra,
