@@ -43,7 +43,8 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, model, *, tokenizer=None, target_tokenizer=None, target_vocab_size=None, max_draft=8):
+    def __init__(self, model, *, tokenizer=None, target_tokenizer=None, target_vocab_size=None, max_draft=6,
+                 adaptive=True, auto_off=True):
         if tokenizer is not None and target_tokenizer is not None:
             check_vocab(target_tokenizer, tokenizer)
         if max_draft < 1:
@@ -54,6 +55,7 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"the draft model's caches cannot be rolled back ({', '.join(kinds)})")
         self.model = model
         self.max_draft = max_draft
+        self.adaptive, self.auto_off = adaptive, auto_off
         # Draft tokens must be target tokens: drop any padded rows beyond.
         self.vocab = target_vocab_size
 

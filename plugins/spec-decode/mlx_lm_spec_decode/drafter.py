@@ -40,7 +40,9 @@ produced the last emitted token. That, with read access to
 ``ctx.target_cache``, is what a KV-borrowing assistant drafter needs.
 
 Class attributes: ``name`` (shown in stats), ``max_draft`` (upper bound for
-the adaptive draft length), ``needs_hidden``.
+the adaptive draft length), ``needs_hidden``, ``adaptive`` and ``auto_off``
+(the loop's draft-length adaptation and measured switch-off, both on by
+default).
 """
 
 from dataclasses import dataclass, field
@@ -66,6 +68,8 @@ class Drafter:
     name = "drafter"
     max_draft = 8
     needs_hidden = False
+    adaptive = True  # let the loop adapt the draft length
+    auto_off = True  # let the loop switch drafting off when it measures slower
 
     def make_cache(self) -> List[Any]:
         return []

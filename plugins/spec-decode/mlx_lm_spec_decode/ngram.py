@@ -116,12 +116,13 @@ class NGramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, n_max=4, n_min=2, max_draft=10):
+    def __init__(self, n_max=4, n_min=2, max_draft=10, adaptive=True, auto_off=True):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {n_min}, {n_max}")
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
         self.n_max, self.n_min, self.max_draft = n_max, n_min, max_draft
+        self.adaptive, self.auto_off = adaptive, auto_off
 
     def __repr__(self):
         return f"NGramDrafter(n_max={self.n_max}, n_min={self.n_min}, max_draft={self.max_draft})"

@@ -1,0 +1,248 @@
+"""Hooks of the ``spec-decode`` plugin, and the few mlx-lm patches it needs.
+
+Which draft models this plugin handles: only ``Drafter`` objects. With
+``--plugin spec-decode`` the host asks ``make_drafter`` for one, so on the
+command line the plugin's loop always runs (``--drafter`` defaults to
+``draft-model`` when ``--draft-model`` is given, else ``ngram``). A plain
+``nn.Module`` draft model that reaches ``speculative_generate_step`` without
+being wrapped (Python API: ``stream_generate(..., draft_model=module)``) is
+left to mlx-lm's own loop: wrap it in ``DraftModelDrafter`` to use this one.
+
+Patches, installed in ``activate`` and inert after ``deactivate``:
+
+- ``mlx_lm.generate.generate`` (the CLI's call, ``generate`` command only):
+  with ``--verbose`` print the request's drafting figures after mlx-lm's own.
+- ``mlx_lm.server``: ``ResponseGenerator._serve_single`` and ``.generate``
+  carry each request's figures to its handler, and ``APIHandler``'s
+  ``generate_response`` / ``completion_usage_response`` add them to
+  ``usage``. The log line comes from the loop itself (logger
+  ``mlx_lm_spec_decode``, INFO).
+"""
+
+import functools
+import logging
+import sys
+import threading
+from pathlib import Path
+
+from mlx_lm_ext import PluginError, hookimpl
+
+from . import stats as stats_mod
+from .draft_model import DraftModelDrafter, VocabularyMismatch
+from .drafter import Drafter
+from .ngram import NGramDrafter
+
+log = logging.getLogger("mlx_lm_spec_decode")
+
+DRAFTERS = ("ngram", "draft-model")
+_state = {"active": False, "args": None}
+_undo = []
+_http = threading.local()
+
+
+@hookimpl
+def commands():
+    return ["generate", "server"]
+
+
+@hookimpl
+def add_arguments(command, group):
+    group.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default=None,
+        help="Drafter for speculative decoding: prompt lookup ('ngram') or a smaller "
+        "model ('draft-model', from --draft-model). Default: draft-model when "
+        "--draft-model is given, else ngram. --num-draft-tokens is the starting draft length.",
+    )
+    group.add_argument("--ngram-max", type=int, default=4,
+                       help="Longest n-gram the ngram drafter matches (tried first). Default: 4.")
+    group.add_argument("--ngram-min", type=int, default=2,
+                       help="Shortest n-gram the ngram drafter matches. Default: 2.")
+    group.add_argument("--draft-max", type=int, default=None,
+                       help="Upper bound of the adaptive draft length. Default: 10 (ngram), 6 (draft-model).")
+    group.add_argument("--fixed-draft", action="store_true",
+                       help="Keep the draft length at --num-draft-tokens (no adaptation).")
+    group.add_argument("--no-auto-off", action="store_true",
+                       help="Keep drafting even when it measures slower than plain decoding.")
+
+
+def _check(args):
+    nmin, nmax = getattr(args, "ngram_min", 2), getattr(args, "ngram_max", 4)
+    if not (isinstance(nmin, int) and isinstance(nmax, int) and 1 <= nmin <= nmax):
+        raise PluginError(f"--ngram-min/--ngram-max: need 1 <= min <= max, got {nmin}, {nmax}")
+    dmax = getattr(args, "draft_max", None)
+    if dmax is not None and (not isinstance(dmax, int) or dmax < 1):
+        raise PluginError(f"--draft-max must be a positive integer, got {dmax}")
+    drafter = getattr(args, "drafter", None)
+    if drafter is not None and drafter not in DRAFTERS:
+        raise PluginError(f"--drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+    n = getattr(args, "num_draft_tokens", None)
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise PluginError(f"--num-draft-tokens must be a positive integer, got {n}")
+    if drafter == "draft-model" and hasattr(args, "draft_model") and not args.draft_model:
+        raise PluginError("--drafter draft-model needs --draft-model PATH (a smaller model with the same tokenizer)")
+
+
+@hookimpl
+def activate(command, args):
+    _check(args)
+    _state.update(active=True, args=args)
+    if command == "generate":
+        _patch_generate_verbose()
+    if command == "server":
+        _patch_server()
+
+
+@hookimpl
+def deactivate():
+    _state.update(active=False, args=None)
+    while _undo:
+        _undo.pop()()
+
+
+def _options(args, which):
+    return dict(
+        max_draft=getattr(args, "draft_max", None) or (10 if which == "ngram" else 6),
+        adaptive=not getattr(args, "fixed_draft", False),
+        auto_off=not getattr(args, "no_auto_off", False),
+    )
+
+
+@hookimpl
+def make_drafter(command, model, tokenizer, draft_model, args):
+    args = args if args is not None else _state["args"]
+    which = getattr(args, "drafter", None) or ("draft-model" if draft_model is not None else "ngram")
+    opts = _options(args, which)
+    if which == "ngram":
+        if draft_model is not None:
+            log.warning("spec-decode: --drafter ngram ignores the --draft-model")
+        return NGramDrafter(n_max=args.ngram_max, n_min=args.ngram_min, **opts)
+    if draft_model is None:
+        raise PluginError("--drafter draft-model needs --draft-model PATH")
+    if isinstance(draft_model, Drafter):
+        return draft_model
+    try:
+        draft_tokenizer = _load_tokenizer(getattr(args, "draft_model", None))
+        return DraftModelDrafter(
+            draft_model,
+            tokenizer=draft_tokenizer,
+            target_tokenizer=tokenizer if draft_tokenizer is not None else None,
+            target_vocab_size=getattr(getattr(model, "args", None), "vocab_size", None),
+            **opts,
+        )
+    except (VocabularyMismatch, ValueError) as e:
+        raise PluginError(f"spec-decode: {e}") from e
+
+
+def _load_tokenizer(path):
+    if not path:
+        return None
+    try:
+        from mlx_lm.utils import _download, load_tokenizer
+
+        return load_tokenizer(Path(_download(path)))
+    except Exception as e:  # checked by vocab size only, as mlx-lm does
+        log.warning(f"spec-decode: could not load the draft model's tokenizer for the vocabulary check: {e}")
+        return None
+
+
+@hookimpl
+def speculative_generate_step(prompt, model, draft_model, kwargs):
+    if not isinstance(draft_model, Drafter):
+        return None
+    from .loop import speculative_generate_step as loop
+
+    return loop(prompt, model, draft_model, **kwargs)
+
+
+# ------------------------------------------------------------------ patches
+
+
+def _patch(obj, attr, make):
+    old = getattr(obj, attr)
+    new = make(old)
+    setattr(obj, attr, new)
+
+    def undo():
+        # Restore only if nobody wrapped us since; else the wrapper goes inert.
+        if getattr(obj, attr) is new:
+            setattr(obj, attr, old)
+
+    _undo.append(undo)
+
+
+def _patch_generate_verbose():
+    mod = sys.modules["mlx_lm.generate"]
+
+    def make(original):
+        @functools.wraps(original)
+        def generate(model, tokenizer, prompt, verbose=False, **kwargs):
+            before = stats_mod.last()
+            text = original(model, tokenizer, prompt, verbose=verbose, **kwargs)
+            s = stats_mod.last()
+            if verbose and _state["active"] and s is not None and s is not before:
+                print(s.line())
+            return text
+
+        return generate
+
+    _patch(mod, "generate", make)
+
+
+def _patch_server():
+    mod = sys.modules["mlx_lm.server"]
+    rg, handler = mod.ResponseGenerator, mod.APIHandler
+
+    def make_serve_single(original):
+        @functools.wraps(original)
+        def _serve_single(self, request, stream):
+            rqueue, req, args = request
+            box = {}
+
+            class Queue:  # remembers the request's context object
+                def put(self, item, *a, **kw):
+                    if type(item).__name__ == "GenerationContext":
+                        box["ctx"] = item
+                    return rqueue.put(item, *a, **kw)
+
+            def sink(s):
+                if "ctx" in box:
+                    box["ctx"].spec_decode = s
+
+            stats_mod.set_sink(sink)
+            try:
+                return original(self, (Queue(), req, args), stream)
+            finally:
+                stats_mod.set_sink(None)
+
+        return _serve_single
+
+    def make_generate(original):
+        @functools.wraps(original)
+        def generate(self, *a, **kw):
+            ctx, it = original(self, *a, **kw)
+            _http.ctx = ctx  # the handler thread's current request
+            return ctx, it
+
+        return generate
+
+    def make_response(original):
+        @functools.wraps(original)
+        def wrapper(self, *a, **kw):
+            resp = original(self, *a, **kw)
+            s = getattr(getattr(_http, "ctx", None), "spec_decode", None)
+            if _state["active"] and s is not None and isinstance(resp, dict) and "usage" in resp:
+                resp["usage"]["completion_tokens_details"] = {
+                    "accepted_prediction_tokens": s.accepted,
+                    "rejected_prediction_tokens": s.drafted - s.accepted,
+                }
+                resp["usage"]["speculative_decoding"] = s.as_dict()
+            return resp
+
+        return wrapper
+
+    _patch(rg, "_serve_single", make_serve_single)
+    _patch(rg, "generate", make_generate)
+    _patch(handler, "generate_response", make_response)
+    _patch(handler, "completion_usage_response", make_response)
