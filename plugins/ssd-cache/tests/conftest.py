@@ -1,9 +1,9 @@
-"""Fixtures: tiny random-weight mlx-lm models saved as real model folders.
+"""Fixtures of the ssd-cache tests, on top of the host's (``mlx_lm_ext.testing``).
 
-Each folder has a config, safetensors weights and a byte-level BPE tokenizer
-with a ChatML template, so ``mlx_lm.load`` and ``mlx_lm.server`` take it like
-a downloaded model. Weights are random (seeded): the caches, files and
-servers are real, the text is noise.
+Tiny models come from the host's ``tiny_model`` factory: random weights with
+the real SmolLM2 tokenizer, saved as real model folders, so ``mlx_lm.load``
+and ``mlx_lm.server`` take them like downloaded models. ``Server`` runs a real
+``mlx_lm.server --plugin ssd-cache`` process on 127.0.0.1.
 """
 
 import json
@@ -17,103 +17,24 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-CONFIGS = {
-    "llama": dict(
-        model_type="llama", hidden_size=64, num_hidden_layers=2,
-        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        rms_norm_eps=1e-5, vocab_size=320, tie_word_embeddings=True,
-        rope_theta=10000.0, max_position_embeddings=4096,
-    ),
-    # sliding-window layers (RotatingKVCache, window 16) with a global layer
-    "gemma3_text": dict(
-        model_type="gemma3_text", hidden_size=64, num_hidden_layers=3,
-        intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, rms_norm_eps=1e-6, vocab_size=320, sliding_window=16,
-        sliding_window_pattern=3, query_pre_attn_scalar=32,
-        max_position_embeddings=4096, rope_theta=10000.0,
-        rope_local_base_freq=10000.0,
-    ),
-}
-
-
-def _bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for c in cs]
-
-
-def write_tokenizer(path):
-    """A byte-level BPE without merges: one token per byte, plus ChatML specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode())}
-    for s in SPECIALS:
-        vocab[s] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "chat_template": CHATML,
-        "model_max_length": 4096,
-    }))
-
-
-def build_tiny(kind, path, seed=0):
-    import mlx.core as mx
-    from mlx_lm.utils import _get_classes, save_config, save_model
-
-    config = dict(CONFIGS[kind])
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
-    mx.eval(model.parameters())
-    path.mkdir(parents=True, exist_ok=True)
-    save_model(path, model, donate_model=False)
-    save_config(config, path / "config.json")
-    write_tokenizer(path)
-    return path
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-models")
-    return {kind: build_tiny(kind, root / kind) for kind in CONFIGS}
+def tiny(tiny_model):
+    """``tiny(arch) -> (model, tokenizer, path)``, loaded once per arch.
 
-
-@pytest.fixture(scope="session")
-def tiny(tiny_dirs):
-    """``tiny(kind) -> (model, tokenizer, path)``, loaded once per kind."""
+    ``gemma3_text`` has sliding-window layers (``RotatingKVCache``, window 8).
+    """
     from mlx_lm import load
 
     loaded = {}
 
-    def get(kind="llama"):
-        if kind not in loaded:
-            model, tok = load(str(tiny_dirs[kind]))
-            loaded[kind] = (model, tok, tiny_dirs[kind])
-        return loaded[kind]
+    def get(arch="llama"):
+        if arch not in loaded:
+            path = tiny_model(arch)
+            model, tok = load(str(path))
+            loaded[arch] = (model, tok, path)
+        return loaded[arch]
 
     return get
 

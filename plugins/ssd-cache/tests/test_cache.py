@@ -145,7 +145,7 @@ def test_longer_entries_are_trimmed_and_exact_hits_leave_a_token(tiny, tmp_path)
 
 
 def test_rotating_cache_past_its_window_is_used_only_as_a_prefix(tiny, tmp_path):
-    model, _, path = tiny("gemma3_text")  # window 16
+    model, _, path = tiny("gemma3_text")  # window 8
     key = str(path)
     toks = list(range(1, 41))
     c = ssd(tmp_path)
@@ -256,10 +256,10 @@ def test_scan_removes_corrupt_reaps_dead_tmp_and_leaves_others(tiny, tmp_path, c
     fresh.close()
 
 
-def test_model_changes_change_the_fingerprint(tiny_dirs, tmp_path):
+def test_model_changes_change_the_fingerprint(tiny_model, tmp_path):
     from mlx_lm_ssd_cache import identity
 
-    src = tiny_dirs["llama"]
+    src = tiny_model("llama")
     copy = tmp_path / "copy"
     shutil.copytree(src, copy)
     fp = identity.identify(str(src))[0]

@@ -34,8 +34,8 @@ def cached(r):
 
 
 def restored(r):
-    """A whole-prompt restore (prompts share at most ~20 template tokens)."""
-    return cached(r) > 100
+    """The whole prompt but its last token came from a cache."""
+    return cached(r) == r["usage"]["prompt_tokens"] - 1
 
 
 def answer(r):
@@ -77,10 +77,10 @@ def file_of(d, tokenizer, prompt):
 
 
 @pytest.fixture
-def model(tiny_dirs, tmp_path):
+def model(tiny_model, tmp_path):
     """A private copy of the tiny llama (some tests replace its weights)."""
     dst = tmp_path / "model"
-    shutil.copytree(tiny_dirs["llama"], dst)
+    shutil.copytree(tiny_model("llama"), dst)
     return dst
 
 
@@ -186,7 +186,7 @@ def test_corrupt_files_are_misses_never_wrong_restores(servers, model, tokenizer
 
 
 def test_disk_full_degrades_to_not_stored(servers, model, tmpfs, tmp_path):
-    d = tmpfs("600k")  # room for three or four entries of the tiny model
+    d = tmpfs("96k")  # room for two or three entries of the tiny model (~20 KB)
     s = servers(model, d, tmp_path / "1.log").wait_ready()
     warm = []
     for p in PROMPTS:
@@ -261,11 +261,8 @@ def test_two_servers_share_one_directory(servers, model, tokenizer, tmp_path):
     assert a.healthy() and b.healthy()
 
 
-def test_changed_model_never_restores_old_entries(servers, model, tmp_path):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import build_tiny
+def test_changed_model_never_restores_old_entries(servers, model, smollm2_tokenizer_dir, tmp_path):
+    from mlx_lm_ext.testing import build_tiny_model
 
     d = tmp_path / "cache"
     s = servers(model, d, tmp_path / "1.log").wait_ready()
@@ -273,7 +270,7 @@ def test_changed_model_never_restores_old_entries(servers, model, tmp_path):
     s.stop()
     (old,) = entries(d)
     old_bytes = old.read_bytes()
-    build_tiny("llama", model, seed=1)  # other weights at the same path
+    build_tiny_model(model, "llama", seed=1, tokenizer_dir=smollm2_tokenizer_dir)  # same path, other weights
     s2 = servers(model, d, tmp_path / "2.log").wait_ready()
     r = s2.chat(PROMPTS[0])
     assert cached(r) == 0
