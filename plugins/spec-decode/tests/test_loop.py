@@ -1,0 +1,213 @@
+"""The verify loop on tiny random models: parity with plain greedy decoding,
+exact caches after every way a request can stop, rebuilt drafter caches,
+fallback on caches that cannot be rolled back."""
+
+import logging
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load, stream_generate
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+import mlx_lm_ext
+from mlx_lm_spec_decode import DraftModelDrafter, Drafter, NGramDrafter, last_stats, speculative_generate_step
+from mlx_lm_spec_decode.loop import n_target_caches
+
+
+
+def stock(model, prompt, n, cache=None):
+    return [t for t, _ in zip((int(t) for t, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=cache)), range(n))]
+
+
+def spec(model, drafter, prompt, n, k=3, cache=None, **kw):
+    return [t for t, _, _ in speculative_generate_step(prompt, model, drafter, num_draft_tokens=k, max_tokens=n, prompt_cache=cache, **kw)]
+
+
+def assert_exact(model, cache, seq):
+    """The target part of ``cache`` holds exactly ``seq``: same offset and the
+    same next-token logits as a fresh prefill."""
+    n_t = n_target_caches(model)
+    assert cache[0].offset == len(seq)
+    probe = mx.array([[7]])
+    got = model(probe, cache=cache[:n_t])[0, -1]
+    fresh = model(mx.array(seq + [7])[None])[0, -1]
+    assert mx.allclose(got, fresh, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("which", ["ngram", "draft-model", "self"])
+def test_greedy_parity_with_stock(tiny_llama, tiny_draft, which, repetitive_prompt):
+    model, tok = tiny_llama
+    drafter = {"ngram": lambda: NGramDrafter(n_min=1),
+               "draft-model": lambda: DraftModelDrafter(tiny_draft),
+               "self": lambda: DraftModelDrafter(model)}[which]()
+    prompt = repetitive_prompt(tok)
+    ref = stock(model, prompt, 40)
+    assert spec(model, drafter, prompt, 40) == ref
+    s = last_stats()
+    assert s.emitted == 40 and s.forwards <= 40 and s.drafted > 0
+    if which == "self":  # a drafter that is the target agrees every time
+        assert s.accepted == s.drafted and s.tokens_per_forward > 2
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3, 5, 8, 13, 21])
+@pytest.mark.parametrize("which", ["ngram", "self"])
+def test_cache_exact_after_consumer_close(tiny_llama, which, stop_after, repetitive_prompt):
+    model, tok = tiny_llama
+    drafter = NGramDrafter(n_min=1) if which == "ngram" else DraftModelDrafter(model)
+    prompt = repetitive_prompt(tok)
+    cache = make_prompt_cache(model) + drafter.make_cache()
+    gen = speculative_generate_step(prompt, model, drafter, num_draft_tokens=4, max_tokens=100, prompt_cache=cache)
+    out = [next(gen)[0] for _ in range(stop_after)]
+    gen.close()
+    seq = prompt.tolist() + out
+    assert_exact(model, cache, seq)
+    dcache = cache[n_target_caches(model):]
+    if which == "ngram":
+        assert dcache[0].tokens == seq
+    else:  # the draft model's cache holds the same tokens as the target's
+        assert_exact(model, dcache, seq)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 16])
+def test_cache_exact_after_max_tokens(tiny_llama, max_tokens, repetitive_prompt):
+    model, tok = tiny_llama
+    drafter = DraftModelDrafter(model)
+    prompt = repetitive_prompt(tok)
+    cache = make_prompt_cache(model) + drafter.make_cache()
+    out = spec(model, drafter, prompt, max_tokens, k=4, cache=cache)
+    assert len(out) == max_tokens
+    assert_exact(model, cache, prompt.tolist() + out)
+
+
+@pytest.fixture
+def enabled():
+    mlx_lm_ext.enable("spec-decode")
+    yield
+    mlx_lm_ext.disable("spec-decode")
+
+
+@pytest.mark.parametrize("eos_at", [0, 3, 6, 9])
+def test_cache_exact_after_eos_through_stream_generate(tiny_llama, enabled, eos_at, repetitive_prompt):
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    ref = stock(model, prompt, 20)
+    eos = ref[eos_at]
+    wrapper = TokenizerWrapper(tok._tokenizer, eos_token_ids=[eos])
+    drafter = NGramDrafter(n_min=1)
+    cache = make_prompt_cache(model) + drafter.make_cache()
+    got = [r.token for r in stream_generate(model, wrapper, prompt, max_tokens=50, draft_model=drafter,
+                                            num_draft_tokens=4, prompt_cache=cache)]
+    first = ref.index(eos)
+    assert got == ref[: first + 1]
+    # mlx-lm's server keys the cache by prompt + every token it got, EOS included.
+    assert_exact(model, cache, prompt.tolist() + got)
+
+
+def test_missing_drafter_caches_are_rebuilt_in_place(tiny_llama, tiny_draft, repetitive_prompt):
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    for drafter in (NGramDrafter(), DraftModelDrafter(tiny_draft)):
+        cache = make_prompt_cache(model)  # e.g. a prompt cache saved without them
+        out = spec(model, drafter, prompt, 12, cache=cache)
+        assert out == stock(model, prompt, 12)
+        assert len(cache) == n_target_caches(model) + len(drafter.make_cache())
+        # A second turn reuses the stored caches.
+        nxt = mx.array(tok.encode(" again one two three"))
+        more = spec(model, drafter, nxt, 8, cache=cache)
+        assert_exact(model, cache, prompt.tolist() + out + nxt.tolist() + more)
+
+
+def test_plain_module_left_to_mlx_lm(tiny_llama, tiny_draft, enabled, repetitive_prompt):
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    from mlx_lm_spec_decode import plugin
+
+    assert plugin.speculative_generate_step(prompt, model, tiny_draft, {}) is None
+    got = [r.token for r in stream_generate(model, tok, prompt, max_tokens=6, draft_model=tiny_draft)]
+    assert len(got) == 6
+
+
+def test_rotating_cache_falls_back_with_one_warning(tiny_model, caplog):
+    model, tok = load(str(tiny_model("gemma3_text")))  # sliding window 8
+    prompt = mx.array(tok.encode("one two three one two three one two"))  # 8 tokens
+    short = prompt[:3]
+    # While the window fits, the loop verifies; past it, it decodes plainly.
+    ref = stock(model, short, 24, cache=make_prompt_cache(model))
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_spec_decode"):
+        out = spec(model, NGramDrafter(n_min=1), short, 24, k=2)
+    assert out == ref
+    warnings = [r for r in caplog.records if "plain decoding" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "RotatingKVCache" in last_stats().fallback
+
+
+class ArraysModel:
+    """A wrapper whose cache list looks like an SSM's: not trimmable."""
+
+    def __init__(self, model):
+        self.model, self.layers = model, model.layers
+
+    def make_cache(self):
+        from mlx_lm.models.cache import ArraysCache
+
+        return make_prompt_cache(self.model) + [ArraysCache(1)]
+
+    def __call__(self, x, cache=None):
+        return self.model(x, cache=cache[:-1])
+
+
+def test_untrimmable_cache_decodes_plainly(tiny_llama, caplog, repetitive_prompt):
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_spec_decode"):
+        out = spec(ArraysModel(model), NGramDrafter(n_min=1), prompt, 10)
+    assert out == stock(model, prompt, 10)
+    assert "ArraysCache" in last_stats().fallback and last_stats().drafted == 0
+    assert sum("plain decoding" in r.getMessage() for r in caplog.records) == 1
+
+
+class HiddenProbe(Drafter):
+    """Records the hidden state the loop hands over; proposes the target's own argmax."""
+
+    name = "probe"
+    needs_hidden = True
+
+    def __init__(self):
+        self.seen = []
+
+    def draft(self, ctx, n):
+        self.seen.append(ctx.hidden)
+        return [], None
+
+
+def test_hidden_state_reaches_drafters_that_ask(tiny_llama, repetitive_prompt):
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    d = HiddenProbe()
+    out = spec(model, d, prompt, 4, k=2)
+    assert d.seen[0] is None  # nothing before the first target forward
+    # Before the second draft: the state at the last prompt position, the one
+    # whose logits produced out[0]; before the third, out[0]'s position.
+    for seen, seq in ((d.seen[1], prompt.tolist()), (d.seen[2], prompt.tolist() + out[:1])):
+        want = model.model(mx.array(seq)[None])[0, -1:]
+        assert mx.allclose(seen, want, atol=1e-4).item()
+
+
+def test_gamma_adapts_and_auto_off_switches(tiny_llama, repetitive_prompt):
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok, 6)
+    spec(model, NGramDrafter(n_min=1, max_draft=12), prompt, 60, k=2)
+    s = last_stats()
+    assert s.gamma_start == 2 and s.gamma != 2
+
+    class Slow(NGramDrafter):  # a drafter that is always wrong costs a full verify
+        def draft(self, ctx, n):
+            return [0] * n, None
+
+    out = spec(model, Slow(), prompt, 60, k=8)
+    assert out == stock(model, prompt, 60)
+    s = last_stats()
+    # Verifying 9 tokens to keep 1 is slower than one plain step, even tiny.
+    assert s.auto_off and s.forwards < 60 + 1

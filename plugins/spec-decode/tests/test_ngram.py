@@ -1,0 +1,80 @@
+import copy
+import random
+
+import mlx.core as mx
+import pytest
+
+from mlx_lm_spec_decode import NGramCache, NGramDrafter
+
+
+def brute_index(tokens, n_min, n_max):
+    index = {}
+    for i in range(1, len(tokens)):
+        for n in range(n_min, min(n_max, i) + 1):
+            index[tuple(tokens[i - n : i])] = i
+    return index
+
+
+def test_longest_match_first_and_copy():
+    c = NGramCache(n_min=1, n_max=3)
+    # "5 6 7" occurs before with continuation 8; "7" alone last continued with 1.
+    c.extend([5, 6, 7, 8, 9, 7, 1, 2, 5, 6, 7])
+    assert c.lookup(3) == [8, 9, 7]
+    c2 = NGramCache(n_min=1, n_max=1)
+    c2.extend([5, 6, 7, 8, 9, 7, 1, 2, 5, 6, 7])
+    assert c2.lookup(2) == [1, 2]  # most recent occurrence of "7"
+
+
+def test_no_match_and_min_n():
+    c = NGramCache(n_min=2, n_max=4)
+    c.extend([1, 2, 3, 4])
+    assert c.lookup(4) == []
+    c.extend([9, 3])  # "3" seen before, but n_min is 2
+    assert c.lookup(4) == []
+
+
+def test_periodic_copy_runs_past_the_present():
+    c = NGramCache(n_min=2, n_max=2)
+    c.extend([1, 2, 3, 1, 2])
+    assert c.lookup(6) == [3, 1, 2, 3, 1, 2]
+
+
+def test_incremental_index_and_trim_match_brute_force():
+    rng = random.Random(0)
+    c = NGramCache(n_min=1, n_max=4)
+    ref = []
+    for _ in range(300):
+        if ref and rng.random() < 0.3:
+            n = rng.randint(1, min(5, len(ref)))
+            assert c.trim(n) == n
+            del ref[-n:]
+        else:
+            toks = [rng.randint(0, 6) for _ in range(rng.randint(1, 6))]
+            c.extend(toks)
+            ref += toks
+        assert c.tokens == ref
+        assert c.index == brute_index(ref, 1, 4)
+        assert len(c.undo) == len(ref)
+
+
+def test_copy_state_roundtrip_and_cache_interface():
+    c = NGramCache(2, 3)
+    c.extend([1, 2, 3, 1, 2])
+    d = copy.deepcopy(c)
+    d.extend([3])
+    assert c.tokens == [1, 2, 3, 1, 2] and c.offset == 5 and d.offset == 6
+    r = NGramCache.from_state(c.state, c.meta_state)
+    assert r.tokens == c.tokens and r.index == c.index and (r.n_min, r.n_max) == (2, 3)
+    assert c.is_trimmable() and not c.empty() and c.nbytes > 0
+    assert c.trim(10) == 5 and c.empty() and c.index == {}
+
+
+def test_drafter_validation_and_cache_check():
+    with pytest.raises(ValueError):
+        NGramDrafter(n_max=1, n_min=2)
+    with pytest.raises(ValueError):
+        NGramDrafter(max_draft=0)
+    d = NGramDrafter(n_max=3, n_min=2)
+    assert d.cache_ok(d.make_cache())
+    assert not d.cache_ok([])
+    assert not d.cache_ok(NGramDrafter(n_max=4).make_cache())
