@@ -54,10 +54,14 @@ class Server:
     def __init__(self, model, cache_dir, log_path, extra=(), env=None, faults=False):
         self.port = free_port()
         self.log_path = Path(log_path)
-        # faults=True: the same server through fault_server.py (slow/hanging writes)
-        start = [str(HERE / "fault_server.py")] if faults else ["-m", "mlx_lm", "server"]
+        # mlx-lm's own console script; faults=True: the same server through
+        # fault_server.py (slow or hanging writes)
+        if faults:
+            start = [sys.executable, str(HERE / "fault_server.py")]
+        else:
+            start = [str(Path(sys.executable).with_name("mlx_lm.server"))]
         cmd = [
-            sys.executable, *start, "--model", str(model),
+            *start, "--model", str(model),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--plugin", "ssd-cache", "--ssd-cache-dir", str(cache_dir),
             *extra,
