@@ -142,15 +142,19 @@ def build(name, cache_dir=None, progress=True, verify=True):
                 return dest
             logger.warning("rebuilding %s: %s", dest, problem)
         _remove_stale(root, name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-build-", dir=root))
+        tmp = None
         try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-build-", dir=root))
             tmp.chmod(0o755)  # mkdtemp makes it private; the model folder is not secret
             _write_folder(tmp, name, source, progress)
             _replace(tmp, dest)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:  # MLX reports write failures as RuntimeError
+            if isinstance(e, ModelError):
+                raise
             raise ModelError(f"cannot write {dest}: {e}") from e
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -164,20 +168,24 @@ def check(path, source=None, full=True):
         return f"no readable manifest ({e.__class__.__name__})"
     if recorded != _json_sha256(manifest):
         return "manifest does not match its own hash"
-    if manifest.get("format") != FORMAT or manifest.get("name") != path.name:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("name") != path.name:
         return "manifest is for another format or model"
-    if source is not None and not _same_source(manifest.get("source", {}), Path(source)):
+    source_record = manifest.get("source")
+    if source is not None and not (isinstance(source_record, dict) and _same_source(source_record, Path(source))):
         return "the source GGUF changed"
-    files = manifest.get("files", {})
-    present = {p.name for p in path.iterdir()} - {MANIFEST}
-    if present != set(files):
-        return f"file set differs from the manifest: {sorted(present ^ set(files))}"
-    for fname, entry in files.items():
-        f = path / fname
-        if not f.is_file() or f.stat().st_size != entry["size"]:
-            return f"{fname} has the wrong size"
-        if full and _file_sha256(f) != entry["sha256"]:
-            return f"{fname} does not match its sha256"
+    try:
+        files = manifest["files"]
+        present = {p.name for p in path.iterdir()} - {MANIFEST}
+        if present != set(files):
+            return f"file set differs from the manifest: {sorted(present ^ set(files))}"
+        for fname, entry in files.items():
+            f = path / fname
+            if not f.is_file() or f.stat().st_size != entry["size"]:
+                return f"{fname} has the wrong size"
+            if full and _file_sha256(f) != entry["sha256"]:
+                return f"{fname} does not match its sha256"
+    except (OSError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable folder or malformed manifest ({e.__class__.__name__}: {e})"
     return None
 
 
@@ -469,7 +477,12 @@ def _lock(path):
     except ImportError:  # no flock (Windows): builds are still atomic, just not serialized
         yield
         return
-    with open(path, "a") as fh:
+    try:
+        fh = open(path, "a")
+    except OSError:  # read-only cache: a built folder can still be used
+        yield
+        return
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

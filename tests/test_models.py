@@ -224,6 +224,9 @@ def test_cache_check_rebuilds_a_tampered_folder(tmp_path, caplog):
     edited["files"]["config.json"]["size"] += 1
     (path / "manifest.json").write_text(json.dumps(edited))
     assert "own hash" in models.check(path)
+    for garbage in ("", "[1, 2]", '{"manifest_sha256": 5}', "\x00\xff"):
+        (path / "manifest.json").write_text(garbage)
+        assert models.check(path) is not None
     (tmp_path / "models" / ".smollm2-135m-build-killed").mkdir()
     models.build("smollm2-135m", cache_dir=tmp_path, progress=False)
     assert models.check(path) is None
