@@ -38,7 +38,8 @@ def _named_plugins(argv, command):
     known, _ = pre.parse_known_args(argv)
     names = plugins.split_names(known.plugin)
     loss = getattr(known, "loss", None)
-    if loss and loss != "default" and loss not in names:
+    # An unknown loss is reported by lora's run(), after its YAML merge.
+    if loss in plugins.installed() and loss not in names:
         names.append(loss)
     return names
 

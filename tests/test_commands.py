@@ -63,7 +63,7 @@ def test_help_shows_plugin_flags_in_their_group(run, command, form):
 def test_unknown_plugin_exits_2_listing_installed(run, command):
     r = run([bin_path(f"mlx_lm.{command}"), "--plugin", "nope,testplugin"])
     assert r.returncode == 2
-    assert "unknown plugin 'nope' (installed plugins: serveronly, testplugin" in r.stderr
+    assert re.search(r"unknown plugin 'nope' \(installed plugins: [^)]*serveronly, [^)]*testplugin", r.stderr)
     assert "Traceback" not in r.stderr
 
 
@@ -93,7 +93,8 @@ def test_installed_but_not_named_changes_nothing(run, plugin_log, tiny_model):
     assert stock.returncode == 0, stock.stderr
     extended = run(cmd)
     assert extended.returncode == 0, extended.stderr
-    assert extended.stdout == stock.stdout
+    text = lambda out: out.split("==========")[1]  # noqa: E731  (timings vary)
+    assert text(extended.stdout) == text(stock.stdout)
     assert plugin_log() == []  # the plugin was never even imported
 
 
@@ -140,7 +141,7 @@ def test_lora_loss_from_flag_and_yaml(run, plugin_log, tiny_model, tmp_path):
 
     r = run([bin_path("mlx_lm.lora"), *common, "--loss", "nope"])
     assert r.returncode == 2
-    assert "unknown loss 'nope' (losses: default, serveronly, testplugin)" in r.stderr
+    assert re.search(r"unknown loss 'nope' \(losses: default, [^)]*testplugin", r.stderr)
 
 
 def _free_port():
@@ -175,7 +176,7 @@ def _complete(port, prompt):
 
 
 @pytest.fixture
-def server_env(plugin_dir):
+def server_env(plugin_dir, plugin_log):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_dir), env.get("PYTHONPATH", "")])
     return env
