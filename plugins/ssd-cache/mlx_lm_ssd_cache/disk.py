@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -414,6 +415,7 @@ class DiskTier:
             self._wake.notify()
 
     def _run(self):
+        _lower_priority()
         next_rescan = time.monotonic() + RESCAN_INTERVAL
         while True:
             with self._wake:
@@ -618,6 +620,24 @@ class DiskTier:
             out["pending"] = sum(s.pending for s in spaces)
             out["pending_bytes"] = self._pending_bytes
         return out
+
+
+WRITER_NICE = 10
+
+
+def _lower_priority():
+    """Let the generation thread win the CPU over the writer (Linux: per thread).
+
+    On Linux ``setpriority`` on a thread id changes that thread only; decode
+    then keeps its pace while the writer hashes and copies bytes.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE)
+    except (OSError, AttributeError):
+        pass
 
 
 def _fsync_dir(path):
