@@ -176,7 +176,7 @@ if pytest is not None:
         built = {}
 
         def make(arch, *, quantized=False, tied=True, **overrides):
-            key = json.dumps([arch, quantized, tied, overrides], sort_keys=True)
+            key = json.dumps([arch, quantized, tied, overrides], sort_keys=True, default=str)
             if key not in built:
                 tag = f"tiny-{arch}-{'q4' if quantized else 'f32'}-{'tied' if tied else 'untied'}"
                 folder = tmp_path_factory.mktemp(tag)
