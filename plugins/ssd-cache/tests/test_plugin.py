@@ -1,0 +1,156 @@
+"""The plugin's hooks, flags and operator commands."""
+
+import argparse
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_lm_ext import PluginError
+from mlx_lm_ssd_cache import SSDPromptCache, plugin
+
+BIN = Path(sys.executable).parent
+
+
+def parsed(*argv, command="server"):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--adapter-path", default=None)
+    parser.add_argument("--draft-model", default=None)
+    for k in ("--kv-bits", "--kv-group-size", "--quantized-kv-start"):
+        parser.add_argument(k, type=int, default=None)
+    plugin.add_arguments(command, parser.add_argument_group("ssd-cache"))
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("text,value", [
+    ("123", 123), ("10K", 10 << 10), ("500M", 500 << 20), ("1.5G", 3 << 29),
+    ("2GiB", 2 << 30), ("1t", 1 << 40), ("64MB", 64 << 20),
+])
+def test_sizes(text, value):
+    assert plugin.parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["12X", "-1", "0", "", "G", "1.5.2G"])
+def test_bad_sizes(text):
+    with pytest.raises(PluginError, match="--ssd-cache-bytes"):
+        plugin.parse_bytes(text)
+
+
+def test_bad_dirs(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    for bad in (f, f / "under"):
+        with pytest.raises(PluginError, match="not a directory"):
+            plugin.check_dir(str(bad))
+    assert plugin.check_dir(str(tmp_path / "new" / "dir")) == tmp_path / "new" / "dir"
+
+
+def test_defaults_are_json_and_under_the_user_cache_dir():
+    import json
+
+    args = parsed()
+    json.dumps(vars(args))
+    assert args.ssd_cache_dir.endswith("mlx-lm-ext/ssd-cache")
+    assert plugin.options(args)[1] == 8 << 30
+
+
+def test_refuses_distributed(monkeypatch):
+    monkeypatch.setattr(plugin, "_world_size", lambda: 2)
+    with pytest.raises(PluginError, match="distributed"):
+        plugin.activate("server", parsed())
+
+
+def test_log_line_patch_and_undo(tmp_path, caplog):
+    import mlx_lm.server as server
+
+    stock = server.ResponseGenerator._log_cache_stats
+    plugin.activate("server", parsed("--ssd-cache-dir", str(tmp_path)))
+    try:
+        assert server.ResponseGenerator._log_cache_stats is not stock
+
+        class Fake:
+            prompt_cache = SSDPromptCache(10, directory=tmp_path)
+
+        with caplog.at_level(logging.INFO):
+            server.ResponseGenerator._log_cache_stats(Fake())
+        assert "- disk: 0 entries, 0.00 GB, 0 hits / 0 lookups" in caplog.text
+        assert "Prompt Cache: 0 sequences" in caplog.text
+    finally:
+        plugin.deactivate()
+    assert server.ResponseGenerator._log_cache_stats is stock
+
+
+def test_make_prompt_cache_uses_flags(tmp_path, tiny_model):
+    path = tiny_model("llama")
+    args = parsed("--model", str(path), "--ssd-cache-dir", str(tmp_path),
+                  "--ssd-cache-bytes", "1G", "--ssd-cache-verify", "--kv-bits", "8")
+    plugin.activate("server", args)
+    try:
+        cache = plugin.make_prompt_cache(args, 7)
+    finally:
+        plugin.deactivate()
+    assert isinstance(cache, SSDPromptCache) and cache.max_size == 7
+    assert cache.disk.max_bytes == 1 << 30 and cache.disk.verify
+    assert cache.disk.settings["kv_bits"] == 8
+    cache.flush(30)  # the default model's directory was identified in advance
+    assert (str(path), None, None) in cache.disk._spaces
+    cache.close()
+
+
+def test_server_exits_2_on_bad_flags(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    for flags, message in (
+        (["--ssd-cache-bytes", "lots"], "is not a size"),
+        (["--ssd-cache-dir", str(f)], "not a directory"),
+    ):
+        r = subprocess.run([str(BIN / "mlx_lm.server"), "--plugin", "ssd-cache", *flags],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and message in r.stderr
+
+
+def test_python_api_enable_disable(tmp_path):
+    import mlx_lm_ext
+
+    mlx_lm_ext.enable("ssd-cache", ssd_cache_dir=str(tmp_path), ssd_cache_bytes="2G")
+    try:
+        assert "ssd-cache" in mlx_lm_ext.enabled()
+    finally:
+        mlx_lm_ext.disable("ssd-cache")
+    with pytest.raises(PluginError):
+        mlx_lm_ext.enable("ssd-cache", ssd_cache_bytes="nope")
+
+
+def test_operator_commands(tmp_path, tiny):
+    model, _, path = tiny("llama")
+    d = tmp_path / "cache"
+    c = SSDPromptCache(10, directory=d)
+    for t in ([1] * 40, [2] * 50):
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array(t)[None], cache=cache), [x.state for x in cache])
+        c.insert_cache(str(path), t, cache)
+    c.close(30)
+    other = d / "0000000000000000" / "base"
+    other.mkdir(parents=True)
+    (other / "junk.safetensors").write_bytes(b"corrupt")
+
+    def run(*argv):
+        r = subprocess.run([str(BIN / "mlx-lm-ext"), "ssd-cache", *argv, "--dir", str(d)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    out = run("stats")
+    assert "3 entries" in out and str(path) in out
+    out = run("ls")
+    assert out.count(" ok") == 2 and "corrupt" in out and " 50 " in out and " 40 " in out
+    fp = next(p.name for p in d.iterdir() if p.name != "0000000000000000")
+    assert "removed 2 files" in run("clear", "--fingerprint", fp[:6])
+    assert (other / "junk.safetensors").exists() and not (d / fp).exists()
+    assert "removed 1 files" in run("clear")
+    assert "0 entries" in run("stats")
