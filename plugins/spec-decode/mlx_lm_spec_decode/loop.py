@@ -46,7 +46,8 @@ def window_room(caches):
     room = 1 << 30
     for c in caches:
         if isinstance(c, RotatingKVCache):
-            room = min(room, c.max_size - c.offset)
+            # trim() needs offset < max_size after the forward (is_trimmable).
+            room = min(room, c.max_size - c.offset - 1)
         elif not c.is_trimmable():
             return 0
     return room
