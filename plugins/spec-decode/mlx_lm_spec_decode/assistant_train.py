@@ -1,0 +1,557 @@
+"""``mlx-lm-ext train-drafter``: train an assistant drafter by self-distillation.
+
+The target model is frozen. For each batch of real text it runs once, with
+plain KV caches, giving what the drafter sees at inference time: its final
+hidden states, its donor layers' K/V and its next-token distributions. The
+drafter (``assistant.Assistant.unrolled``) then drafts ``--draft-steps``
+chained tokens from every position at once, each step reading exactly the
+donor keys a real draft from that position would read, and learns
+
+- the target's next-token distribution (soft cross-entropy against the
+  target's own softmax, i.e. KL up to a constant), and
+- the target's final hidden state (smooth L1), which later steps take as
+  their input in place of the target's.
+
+Top-1 agreement (drafter argmax equals target argmax) is what greedy
+acceptance measures; the progress bar shows it for the first step.
+
+Why not the flash-cce loss: distillation needs the target's full
+distribution, so the ``[N, V]`` target logits exist anyway, and
+``linear_cross_entropy`` computes hard-label cross-entropy only; on the GPU
+the stock loss was also measured faster (../shared/docs/mlx-cuda.md). The
+logits are bounded by ``--batch-size x --seq-len``.
+
+``--generate N`` adds the target's own greedy answers to N chat prompts made
+from the data (explain/summarize/continue a passage, short open questions on
+its words), so the drafter also learns the target's chat register.
+
+Output folder: ``assistant.json`` + ``assistant.safetensors`` (the drafter,
+usable with ``--drafter assistant --drafter-path OUT`` at every checkpoint),
+``data.safetensors`` (the tokenized training data, reused on resume),
+``checkpoint/`` (float32 weights, optimizer state, step) and ``log.jsonl``.
+Running the same command again resumes from the last checkpoint.
+"""
+
+import argparse
+import fnmatch
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from . import assistant as A
+from . import target as target_mod
+
+log = logging.getLogger("mlx_lm_spec_decode")
+
+DEFAULT_PATTERNS = "*.py,*.txt,*.md,*.rst"
+CKPT = "checkpoint"
+DATA_FILE = "data.safetensors"
+LOG_FILE = "log.jsonl"
+
+
+class TrainError(RuntimeError):
+    """Bad input to train-drafter: the message says what to do."""
+
+
+# ------------------------------------------------------------------ data
+
+
+def iter_files(path, patterns):
+    path = Path(path)
+    if path.is_file():
+        yield path
+        return
+    if not path.is_dir():
+        raise TrainError(f"--data {path}: no such file or directory")
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for f in sorted(files):
+            if any(fnmatch.fnmatch(f, p) for p in pats):
+                yield Path(root) / f
+
+
+def read_corpus(tokenizer, path, patterns=DEFAULT_PATTERNS, max_tokens=None, progress=True):
+    """The data as one token stream, documents separated by EOS."""
+    from tqdm import tqdm
+
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    out, total, files = [], 0, 0
+    batch = []
+
+    def flush():
+        nonlocal total
+        if not batch:
+            return
+        ids = hf(batch, add_special_tokens=False)["input_ids"]
+        for seq in ids:
+            out.append(np.asarray(seq + [eos], dtype=np.uint32))
+            total += len(seq) + 1
+        batch.clear()
+
+    bar = tqdm(desc="tokenizing", unit=" files", disable=not progress, file=sys.stderr)
+    for f in iter_files(path, patterns):
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary or unreadable: not text data
+        if not text.strip() or "\x00" in text:
+            continue
+        batch.append(text)
+        files += 1
+        bar.update(1)
+        if len(batch) >= 64:
+            flush()
+            if max_tokens and total >= max_tokens:
+                break
+    flush()
+    bar.close()
+    if not out:
+        raise TrainError(f"--data {path}: no readable text files matching {patterns!r}")
+    tokens = np.concatenate(out)
+    if max_tokens:
+        tokens = tokens[:max_tokens]
+    return tokens, files
+
+
+TEMPLATES = [
+    "Explain what the following code does:\n\n{passage}",
+    "Summarize the following text in a few sentences:\n\n{passage}",
+    "Continue this text:\n\n{passage}",
+    "Write a short paragraph about {word}.",
+    "What is {word}? Explain it simply.",
+    "Give me three tips about {word}.",
+    "Write a short story that mentions {word}.",
+    "Describe {word} to a beginner.",
+]
+
+
+def chat_prompts(tokenizer, tokens, n, seed):
+    """``n`` chat prompts (token lists) built from passages of the data."""
+    rng = random.Random(seed)
+    prompts = []
+    tries = 0
+    while len(prompts) < n and tries < 20 * n:
+        tries += 1
+        start = rng.randrange(0, max(1, len(tokens) - 120))
+        passage = tokenizer.decode(tokens[start : start + rng.randint(40, 100)].tolist()).strip()
+        words = [w for w in re.findall(r"[A-Za-z]{5,14}", passage)]
+        template = TEMPLATES[len(prompts) % len(TEMPLATES)]
+        if "{word}" in template and not words:
+            continue
+        text = template.format(passage=passage, word=rng.choice(words) if words else "")
+        msgs = [{"role": "user", "content": text}]
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        else:
+            ids = tokenizer.encode(text)
+        prompts.append(list(ids))
+    return prompts
+
+
+def generate_chat(model, tokenizer, prompts, max_tokens, batch_size=64, progress=True):
+    """The target's greedy answers, as ``prompt + answer + EOS`` token lists."""
+    from mlx_lm.generate import batch_generate
+    from tqdm import tqdm
+
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    out = []
+    bar = tqdm(total=len(prompts), desc="generating", unit=" answers", disable=not progress, file=sys.stderr)
+    for s in range(0, len(prompts), batch_size):
+        part = prompts[s : s + batch_size]
+        r = batch_generate(model, tokenizer, part, max_tokens=max_tokens, return_token_ids=True,
+                           completion_batch_size=len(part), prefill_batch_size=min(len(part), 16))
+        for p, ids in zip(part, r.token_ids):
+            out.append(p + list(ids) + [eos])
+        bar.update(len(part))
+    bar.close()
+    return out
+
+
+def chunk(tokens, seq_len):
+    n = len(tokens) // seq_len
+    if n == 0:
+        raise TrainError(f"the data has {len(tokens)} tokens, fewer than one --seq-len {seq_len} sequence")
+    return tokens[: n * seq_len].reshape(n, seq_len)
+
+
+def batch_rows(n_rows, batch_size, step, seed):
+    """Row indices of batch ``step``: epochs of seeded permutations, so a
+    resumed run sees exactly the batches the uninterrupted run would."""
+    per_epoch = max(1, n_rows // batch_size)
+    epoch, i = divmod(step, per_epoch)
+    perm = np.random.default_rng(seed + epoch).permutation(n_rows)
+    return perm[i * batch_size : (i + 1) * batch_size]
+
+
+# ----------------------------------------------------------------- model
+
+
+class Target:
+    """The frozen target and the pieces of it the drafter borrows."""
+
+    def __init__(self, model, cfg, split=None):
+        self.model = model
+        split = split or target_mod.split(model)
+        if split is None:
+            raise TrainError("this architecture does not expose its hidden states in mlx-lm's usual layout")
+        self.backbone, self.head = split
+        self.embed = A._embedding(model)
+        self.ropes = [A.rope_of(model, d) for d in cfg.donors]
+        self.cfg = cfg
+        self.dtype = A.donor_layout(model, cfg.donors)[3]
+        model.freeze()
+
+    def run(self, x):
+        """Hidden states, donor K/V and target log-probs for tokens ``x [B, T]``."""
+        caches = [KVCache() for _ in make_prompt_cache(self.model)]
+        h = self.backbone(x, caches)
+        logits = self.head(h).astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        T = x.shape[1]
+        kv = [(caches[d].keys[..., :T, :], caches[d].values[..., :T, :]) for d in self.cfg.donors]
+        return h, self.embed(x), kv, lp
+
+
+def loss_fn(net, target, h, emb, kv, lp_t, steps, feature_weight, step_decay=0.8):
+    donors = [(k, v, None) for k, v in kv]
+    outs = net.unrolled(h, emb, donors, target.ropes, target.cfg.windows, steps)
+    T = h.shape[1]
+    p_t = mx.exp(lp_t)
+    top_t = mx.argmax(lp_t, axis=-1)
+    hf = h.astype(mx.float32)
+    total, norm = 0.0, 0.0
+    ces, accs = [], []
+    for s, out in enumerate(outs):
+        valid = (mx.arange(T) >= s + 1)[None].astype(mx.float32)
+        count = valid.sum() * h.shape[0]
+        logits = target.head(out.astype(target.dtype)).astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        ce = (-(p_t * lp).sum(-1) * valid).sum() / count
+        diff = mx.abs(out.astype(mx.float32) - hf)
+        feat = (mx.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5).mean(-1) * valid).sum() / count
+        acc = ((mx.argmax(lp, axis=-1) == top_t).astype(mx.float32) * valid).sum() / count
+        w = step_decay**s
+        total = total + w * (ce + feature_weight * feat)
+        norm += w
+        ces.append(ce)
+        accs.append(acc)
+    return total / norm, mx.stack(ces), mx.stack(accs)
+
+
+# ------------------------------------------------------------ checkpoints
+
+
+def _schedule(lr, steps, warmup):
+    warmup = max(1, min(warmup, steps // 10 or 1))
+    return optim.join_schedules(
+        [optim.linear_schedule(lr * 0.01, lr, warmup),
+         optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.1)],
+        [warmup],
+    )
+
+
+def save_checkpoint(out, net, opt, step, meta):
+    """Float32 weights, optimizer state and step, replaced as one folder."""
+    out = Path(out)
+    tmp, dest, old = out / (CKPT + ".tmp"), out / CKPT, out / (CKPT + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(str(tmp / "weights.safetensors"), dict(tree_flatten(net.parameters())))
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+    (tmp / "state.json").write_text(json.dumps({"step": step, **meta}, indent=1) + "\n")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        dest.rename(old)
+    tmp.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(out):
+    for name in (CKPT, CKPT + ".old"):
+        d = Path(out) / name
+        if (d / "state.json").is_file():
+            return d
+    return None
+
+
+def load_checkpoint(d, net, opt):
+    try:
+        state = json.loads((d / "state.json").read_text())
+        net.load_weights(list(mx.load(str(d / "weights.safetensors")).items()), strict=True)
+        opt.init(net.trainable_parameters())
+        opt.state = tree_unflatten(list(mx.load(str(d / "optimizer.safetensors")).items()))
+    except Exception as e:
+        raise TrainError(f"the checkpoint in {d} cannot be read ({e}); start over with --restart") from e
+    return state
+
+
+# ------------------------------------------------------------------ train
+
+
+RUN_KEYS = ("layers", "intermediate_size", "donors", "seq_len", "batch_size", "draft_steps", "lr", "steps",
+            "warmup", "feature_weight", "seed", "generate", "generate_tokens", "chat_fraction", "max_data_tokens",
+            "patterns")
+
+
+def prepare_data(args, model, tokenizer, out):
+    """Tokenized data, made once and saved so a resumed run reuses it."""
+    f = out / DATA_FILE
+    if f.is_file():
+        try:
+            d = mx.load(str(f))
+            return np.array(d["corpus"]), (np.array(d["chat"]) if "chat" in d else None)
+        except Exception as e:
+            raise TrainError(f"{f} is unreadable ({e}); start over with --restart") from e
+    tokens, files = read_corpus(tokenizer, args.data, args.patterns, args.max_data_tokens, progress=not args.quiet)
+    print(f"data: {len(tokens):,} tokens from {files} files", file=sys.stderr)
+    chat = None
+    if args.generate:
+        prompts = chat_prompts(tokenizer, tokens, args.generate, args.seed)
+        seqs = generate_chat(model, tokenizer, prompts, args.generate_tokens, progress=not args.quiet)
+        chat = np.concatenate([np.asarray(s, np.uint32) for s in seqs])
+        print(f"generated: {len(seqs)} answers, {len(chat):,} tokens", file=sys.stderr)
+    arrays = {"corpus": mx.array(tokens)}
+    if chat is not None:
+        arrays["chat"] = mx.array(chat)
+    tmp = out / (".tmp." + DATA_FILE)
+    mx.save_safetensors(str(tmp), arrays)
+    tmp.replace(f)
+    return tokens, chat
+
+
+def make_batches(args, corpus, chat):
+    rows = chunk(corpus, args.seq_len)
+    chat_rows = chunk(chat, args.seq_len) if chat is not None and len(chat) >= args.seq_len else None
+    n_chat = 0 if chat_rows is None else min(args.batch_size, round(args.batch_size * args.chat_fraction))
+    n_text = args.batch_size - n_chat
+
+    def batch(step):
+        parts = []
+        if n_text:
+            parts.append(rows[batch_rows(len(rows), n_text, step, args.seed)])
+        if n_chat:
+            parts.append(chat_rows[batch_rows(len(chat_rows), n_chat, step, args.seed + 7919)])
+        b = np.concatenate(parts)
+        return mx.array(b.astype(np.uint32))
+
+    return batch, len(rows), (0 if chat_rows is None else len(chat_rows))
+
+
+def train(args):
+    from mlx_lm import load as load_model
+    from tqdm import tqdm
+
+    out = Path(args.out)
+    if args.restart and out.exists():
+        for name in (CKPT, CKPT + ".old", DATA_FILE, LOG_FILE, A.CONFIG_FILE, A.WEIGHTS_FILE):
+            p = out / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = find_checkpoint(out)
+    run = {k: getattr(args, k) for k in RUN_KEYS}
+    if ckpt is not None:
+        prev = json.loads((ckpt / "state.json").read_text()).get("run", {})
+        changed = {k: (prev.get(k), run[k]) for k in RUN_KEYS if k != "steps" and prev.get(k) != run[k]}
+        if changed:
+            shown = ", ".join(f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            raise TrainError(f"{out} holds a run with other settings ({shown}); use the same flags to resume, "
+                             f"another --out, or --restart")
+
+    model, tokenizer = load_model(args.model)
+    if args.target_dtype:
+        model.set_dtype(getattr(mx, args.target_dtype))
+    split = target_mod.split(model)
+    cfg = A.make_config(model, args.layers, args.intermediate_size, args.donors, split=split)
+    if ckpt is not None:
+        saved = A.read_config(out)
+        A.check_fingerprint(saved.target, cfg.target, where=f"the run in {out}")
+        cfg.target = saved.target
+    target = Target(model, cfg, split)
+    corpus, chat = prepare_data(args, model, tokenizer, out)
+    batch, n_rows, n_chat_rows = make_batches(args, corpus, chat)
+
+    mx.random.seed(args.seed)
+    net = A.Assistant(cfg)
+    opt = optim.AdamW(learning_rate=_schedule(args.lr, args.steps, args.warmup), weight_decay=0.0)
+    start, history = 0, []
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, net, opt)
+        start = state["step"]
+        print(f"resuming {out} at step {start}", file=sys.stderr)
+    else:
+        opt.init(net.trainable_parameters())
+    n_params = sum(v.size for _, v in tree_flatten(net.parameters()))
+    print(f"assistant: {cfg.num_layers} layer(s), {n_params / 1e6:.2f}M parameters, donors {cfg.donors} "
+          f"(of {len(make_prompt_cache(model))} caches); {n_rows} text + {n_chat_rows} chat sequences "
+          f"of {args.seq_len} tokens", file=sys.stderr)
+
+    value_grad = nn.value_and_grad(net, lambda n, *a: loss_fn(n, target, *a, args.draft_steps, args.feature_weight))
+
+    def update(h, emb, kv, lp):
+        (loss, ces, accs), grads = value_grad(net, h, emb, kv, lp)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(net, grads)
+        return loss, ces, accs
+
+    state = [net.state, opt.state]
+    step_fn = mx.compile(update, inputs=state, outputs=state) if args.compile else update
+
+    meta = lambda: {"run": run, "model": str(args.model), "data": str(args.data)}
+    logf = open(out / LOG_FILE, "a")
+    bar = tqdm(total=args.steps, initial=start, desc="train-drafter", unit=" steps", disable=args.quiet,
+               file=sys.stderr, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    last_save = t0
+    ema = ema_top1 = None
+    step = start
+    stop = None
+    try:
+        while step < args.steps:
+            x = batch(step)
+            h, emb, kv, lp = target.run(x)
+            mx.eval(h, emb, kv, lp)
+            loss, ces, accs = step_fn(h, emb, kv, lp)
+            mx.eval(state, loss, ces, accs)
+            step += 1
+            rec = {"step": step, "loss": loss.item(), "ce": ces.tolist(), "top1": accs.tolist(),
+                   "lr": float(opt.learning_rate.item()) if isinstance(opt.learning_rate, mx.array) else args.lr,
+                   "time": round(time.perf_counter() - t0, 2)}
+            logf.write(json.dumps(rec) + "\n")
+            ema = rec["loss"] if ema is None else 0.9 * ema + 0.1 * rec["loss"]
+            ema_top1 = rec["top1"][0] if ema_top1 is None else 0.9 * ema_top1 + 0.1 * rec["top1"][0]
+            bar.set_postfix(loss=f"{ema:.3f}", top1=f"{ema_top1:.3f}",
+                            **{f"top1@{i + 2}": f"{a:.2f}" for i, a in enumerate(rec["top1"][1:])})
+            bar.update(1)
+            now = time.perf_counter()
+            if args.time_limit and now - t0 >= args.time_limit:
+                stop = f"--time-limit {args.time_limit}s reached"
+                break
+            if step % args.save_every == 0 or now - last_save > 120:
+                save_checkpoint(out, net, opt, step, meta())
+                A.save(out, net, cfg)
+                last_save = now
+    except KeyboardInterrupt:
+        stop = "interrupted"
+    finally:
+        bar.close()
+        logf.close()
+        if step > start:
+            save_checkpoint(out, net, opt, step, meta())
+            A.save(out, net, cfg)
+    elapsed = time.perf_counter() - t0
+    if step > start:
+        tail = _tail_metrics(out / LOG_FILE, step)
+        print(f"step {step}/{args.steps} in {elapsed:.0f}s ({(step - start) / max(elapsed, 1e-9):.2f} steps/s); "
+              f"last 20 steps: loss {tail['loss']:.3f}, top-1 agreement "
+              + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(tail["top1"])), file=sys.stderr)
+    if stop:
+        print(f"stopped at step {step} ({stop}); run the same command again to continue", file=sys.stderr)
+    print(f"drafter saved in {out} (use: --drafter assistant --drafter-path {out})", file=sys.stderr)
+    return 0
+
+
+def _tail_metrics(path, step, n=20):
+    recs = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r["step"] <= step][-n:]
+    top1 = np.mean([r["top1"] for r in recs], axis=0).tolist()
+    return {"loss": float(np.mean([r["loss"] for r in recs])), "top1": top1}
+
+
+# -------------------------------------------------------------------- CLI
+
+
+def add_arguments(p):
+    p.add_argument("--model", required=True, help="The target model (path or name mlx_lm.load accepts).")
+    p.add_argument("--data", required=True, help="A text file or a folder of text files (read recursively).")
+    p.add_argument("--out", required=True, help="Folder for the drafter and its checkpoints (resumed if present).")
+    p.add_argument("--patterns", default=DEFAULT_PATTERNS,
+                   help=f"File name patterns read from a --data folder. Default: {DEFAULT_PATTERNS}.")
+    p.add_argument("--max-data-tokens", type=int, default=2_000_000, help="Tokens of data to read at most. Default: 2M.")
+    p.add_argument("--generate", type=int, default=0,
+                   help="Also train on the target's greedy answers to this many chat prompts made from the data. Default: 0.")
+    p.add_argument("--generate-tokens", type=int, default=256, help="Longest generated answer. Default: 256.")
+    p.add_argument("--chat-fraction", type=float, default=0.5,
+                   help="Share of each batch taken from the generated chats (with --generate). Default: 0.5.")
+    p.add_argument("--layers", type=int, default=1, help="Drafter layers (1 or 2; up to 4). Default: 1.")
+    p.add_argument("--intermediate-size", type=int, default=None, help="Drafter MLP width. Default: the target's.")
+    p.add_argument("--donors", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="Target cache index each drafter layer reads, comma separated. Default: the last "
+                        "sliding-window and last full-attention layers (else the last layer).")
+    p.add_argument("--steps", type=int, default=2000, help="Training steps (sets the learning-rate schedule). Default: 2000.")
+    p.add_argument("--batch-size", type=int, default=8, help="Sequences per step. Default: 8.")
+    p.add_argument("--seq-len", type=int, default=256, help="Tokens per sequence. Default: 256.")
+    p.add_argument("--draft-steps", type=int, default=3,
+                   help="Chained draft steps trained from every position. Default: 3.")
+    p.add_argument("--lr", type=float, default=5e-4, help="Peak learning rate (AdamW, cosine decay). Default: 5e-4.")
+    p.add_argument("--warmup", type=int, default=100, help="Warm-up steps. Default: 100.")
+    p.add_argument("--feature-weight", type=float, default=0.1,
+                   help="Weight of the hidden-state regression loss. Default: 0.1.")
+    p.add_argument("--seed", type=int, default=0, help="Seed for weights, data order and prompts. Default: 0.")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="Stop (with a checkpoint) after this many seconds of training; rerun to continue.")
+    p.add_argument("--save-every", type=int, default=200, help="Checkpoint every N steps (and every 2 minutes). Default: 200.")
+    p.add_argument("--target-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="Cast the target's weights (e.g. bfloat16 on a GPU). Default: as loaded.")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="Do not mx.compile the training step.")
+    p.add_argument("--restart", action="store_true", help="Discard a previous run in --out and start over.")
+    p.add_argument("--quiet", action="store_true", help="No progress bars.")
+
+
+def _validate(args):
+    for name in ("steps", "batch_size", "seq_len", "draft_steps", "save_every", "layers"):
+        if getattr(args, name) < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.seq_len < args.draft_steps + 2:
+        raise TrainError("--seq-len must exceed --draft-steps + 1")
+    if not 0.0 <= args.chat_fraction <= 1.0:
+        raise TrainError("--chat-fraction must be between 0 and 1")
+    if args.lr <= 0:
+        raise TrainError("--lr must be positive")
+
+
+def run(args):
+    try:
+        _validate(args)
+        return train(args)
+    except (TrainError, A.AssistantError) as e:
+        print(f"train-drafter: {e}", file=sys.stderr)
+        return 2
+
+
+def add_subcommand(subparsers):
+    p = subparsers.add_parser(
+        "train-drafter",
+        help="train an assistant drafter for spec-decode (--drafter assistant) by self-distillation",
+        description="Train the KV-borrowing assistant drafter of the spec-decode plugin for a target model: "
+        "the frozen target runs over real text and the drafter learns its next tokens from its caches "
+        "and hidden states. Resumes from --out when run again.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m mlx_lm_spec_decode.assistant_train")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
