@@ -129,14 +129,27 @@ def test_plain_module_left_to_mlx_lm(tiny_llama, tiny_draft, enabled, repetitive
     assert len(got) == 6
 
 
-def test_rotating_cache_falls_back_with_one_warning(tiny_model, caplog):
+class Wrong(Drafter):
+    """Always proposes token 0: every round ends in a rejection and a trim."""
+
+    name = "wrong"
+    auto_off = False
+
+    def draft(self, ctx, n):
+        return [0] * n, None
+
+
+@pytest.mark.parametrize("n_prompt", [2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("which", ["ngram", "wrong"])
+def test_rotating_cache_falls_back_with_one_warning(tiny_model, caplog, which, n_prompt):
     model, tok = load(str(tiny_model("gemma3_text")))  # sliding window 8
-    prompt = mx.array(tok.encode("one two three one two three one two"))  # 8 tokens
-    short = prompt[:3]
-    # While the window fits, the loop verifies; past it, it decodes plainly.
-    ref = stock(model, short, 24, cache=make_prompt_cache(model))
+    prompt = mx.array(tok.encode("one two three one two three one two"))[:n_prompt]
+    # While the window fits, the loop verifies (never filling the window: a
+    # full RotatingKVCache cannot be trimmed); past it, it decodes plainly.
+    ref = stock(model, prompt, 24, cache=make_prompt_cache(model))
+    drafter = NGramDrafter(n_min=1) if which == "ngram" else Wrong()
     with caplog.at_level(logging.WARNING, logger="mlx_lm_spec_decode"):
-        out = spec(model, NGramDrafter(n_min=1), short, 24, k=2)
+        out = spec(model, drafter, prompt, 24, k=3)
     assert out == ref
     warnings = [r for r in caplog.records if "plain decoding" in r.getMessage()]
     assert len(warnings) == 1
