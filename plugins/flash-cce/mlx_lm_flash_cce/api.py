@@ -1,0 +1,208 @@
+"""``linear_cross_entropy``: the public call, and the two exact fallbacks.
+
+Three paths compute the same loss:
+
+- ``flash``: the chosen backend (``backends``), never holding ``[N, V]``;
+- ``stock``: full logits then cross-entropy in float32, which is faster
+  for short inputs (below ``MIN_FLASH_ELEMENTS`` logits, measured in
+  ``benchmarks/bench_flash_cce.py``);
+- ``chunked``: for heads that are only a callable (DoRA, custom modules):
+  the head runs on token chunks under ``mx.checkpoint``, so at most
+  ``[token_chunk, V]`` logits live at once.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import backends, heads, portable, qmm
+
+REDUCTIONS = ("mean", "sum", "none")
+IMPLS = ("auto", "flash", "stock", "chunked")
+
+# Below this many logits (tokens x vocab) "auto" uses the stock-style head.
+# Measured on the CPU backend (bench_flash_cce.py --crossover): see README.
+MIN_FLASH_ELEMENTS = 1 << 22
+
+
+def _cap_logits(z, softcap, logit_scale):
+    z = z.astype(mx.float32)
+    if logit_scale is not None:
+        z = z * logit_scale
+    if softcap is not None:
+        z = softcap * mx.tanh(z / softcap)
+    return z
+
+
+def _ce_from_logits(logits, targets, softcap, logit_scale):
+    z = _cap_logits(logits, softcap, logit_scale)
+    zt = mx.take_along_axis(z, targets[:, None], axis=1)[:, 0]
+    return mx.logsumexp(z, axis=1) - zt
+
+
+def _owner(head):
+    """The nn.Module whose parameters a callable head uses (or None)."""
+    if isinstance(head, nn.Module):
+        return head
+    owner = getattr(head, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def stock_per_token(head, hidden, targets, softcap=None, logit_scale=None):
+    """Exact per-token loss through the full ``[N, V]`` logits (float32 softmax)."""
+    x, rows = qmm.pad_rows(hidden)  # the head may be a quantized matmul
+    if rows is not None:
+        targets = mx.pad(targets, [(0, x.shape[0] - rows)])
+    ce = _ce_from_logits(heads.full_logits(head, x), targets, softcap, logit_scale)
+    return ce if rows is None else ce[:rows]
+
+
+def chunked_per_token(head, hidden, targets, softcap=None, logit_scale=None, token_chunk=1024):
+    """Exact per-token loss of a callable head, token chunk by token chunk."""
+    call = head.module
+    owner = _owner(call)
+    params = owner.trainable_parameters() if owner is not None else {}
+
+    def chunk(params, h, t):
+        if owner is not None:
+            owner.update(params)
+        return stock_per_token(heads.Head(kind="module", module=call), h, t, softcap, logit_scale)
+
+    step = mx.checkpoint(chunk)
+    targets = mx.stop_gradient(targets)
+    parts = []
+    for n0 in range(0, hidden.shape[0], token_chunk):
+        parts.append(step(params, hidden[n0 : n0 + token_chunk], targets[n0 : n0 + token_chunk]))
+    return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _choose(impl, head, n_tok, opts_min):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if head.kind == "module":
+        if impl == "flash":
+            raise ValueError(
+                f"impl='flash' needs a head given as arrays or a known layer; "
+                f"{type(head.module).__name__} is only a callable (use 'chunked' or 'auto')"
+            )
+        return "stock" if impl == "stock" else "chunked"
+    if impl == "auto":
+        threshold = MIN_FLASH_ELEMENTS if opts_min is None else opts_min
+        return "stock" if n_tok * head.vocab < threshold else "flash"
+    if impl == "chunked":
+        return "chunked"
+    return impl
+
+
+def linear_cross_entropy(
+    hidden,
+    head,
+    targets,
+    *,
+    softcap=None,
+    logit_scale=None,
+    ignore_index=None,
+    reduction="mean",
+    impl="auto",
+    backend="auto",
+    token_chunk=1024,
+    vocab_chunk=0,
+    chunk_elements=1 << 20,
+    filter_eps=None,
+    block_skip_eps=None,
+    with_grad=True,
+    min_flash_elements=None,
+    train=None,
+):
+    """Cross-entropy of ``head(hidden)`` against ``targets`` without ``[N, V]`` logits.
+
+    Equals ``nn.losses.cross_entropy(logits, targets)`` reduced by
+    ``reduction``, where ``logits = head(hidden)`` times ``logit_scale`` and
+    then soft-capped as ``softcap * tanh(logits / softcap)``; the loss is
+    computed in float32. Tokens whose target is ``ignore_index`` count zero
+    and are left out of the mean. Gradients flow to ``hidden`` and to the
+    head's arrays (a weight array, a dense layer's weight and bias, LoRA
+    factors); a quantized layer's packed weight has none.
+
+    ``head``: a ``[V, H]`` array, ``nn.Linear``, ``nn.QuantizedLinear``, an
+    (quantized) embedding or its ``as_linear``, mlx-lm's ``LoRALinear`` /
+    ``LoRAEmbedding``, or any callable (then computed by token chunks).
+
+    Tuning (results are exact unless an eps is set):
+    ``impl``: ``auto`` (stock-style below ``min_flash_elements`` logits,
+    else flash), ``flash``, ``stock``, ``chunked``. ``backend``: ``auto`` or
+    a name from ``backends.names()``. ``token_chunk`` tokens per pass;
+    ``vocab_chunk`` vocabulary rows per block (0: ``chunk_elements //
+    token_chunk``). ``with_grad``: compute the hidden gradient in the
+    forward pass (one sweep); ``False`` for loss-only calls, where a
+    gradient, if asked for anyway, takes a second sweep. ``filter_eps`` /
+    ``block_skip_eps``: approximate gradients that skip 64x64 tiles / 64-wide
+    vocabulary blocks whose softmax coefficients stay below eps (dense
+    heads; the loss value stays exact). ``train``: for layer heads, which
+    parts get gradients (``{"weight", "bias", "lora"}`` -> bool); by default
+    those the layer has trainable.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    spec = heads.as_head(head)
+    if hidden.ndim < 1 or targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} does not match hidden shape {tuple(hidden.shape)} "
+            "(want hidden [..., H] and targets [...])"
+        )
+    if not mx.issubdtype(targets.dtype, mx.integer):
+        raise ValueError(f"targets must be integer class ids, got {targets.dtype}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+
+    valid = None
+    if ignore_index is not None:
+        valid = t != ignore_index
+        t = mx.where(valid, t, 0)
+
+    chosen = _choose(impl, spec, h.shape[0], min_flash_elements)
+    if chosen == "stock":
+        ce = stock_per_token(spec, h, t, softcap, logit_scale)
+    elif chosen == "chunked":
+        ce = chunked_per_token(spec, h, t, softcap, logit_scale, token_chunk)
+    else:
+        if train is None:
+            train = _trainable_parts(spec)
+        opts = portable.Options(
+            softcap=softcap,
+            logit_scale=logit_scale,
+            token_chunk=token_chunk,
+            vocab_chunk=vocab_chunk,
+            chunk_elements=chunk_elements,
+            with_grad=with_grad,
+            filter_eps=filter_eps,
+            block_skip_eps=block_skip_eps,
+        )
+        ce = backends.resolve(backend, spec, opts)(spec, h, t, opts, train)
+
+    if valid is not None:
+        ce = mx.where(valid, ce, 0.0)
+    if reduction == "none":
+        return ce.reshape(targets.shape)
+    total = ce.sum()
+    if reduction == "sum":
+        return total
+    if valid is None:
+        return total / t.size
+    return total / mx.maximum(valid.sum(), 1)
+
+
+def _trainable_parts(spec):
+    """Which head parts a layer trains (arrays: all of them)."""
+    module = spec.module
+    if not isinstance(module, nn.Module):
+        return None  # a raw array: its gradient may be asked for
+    from mlx.utils import tree_flatten
+
+    names = {k for k, _ in tree_flatten(module.trainable_parameters())}
+    return {
+        "weight": any(n.endswith("weight") and "lora" not in n for n in names),
+        "bias": any(n.endswith(".bias") or n == "bias" for n in names),
+        "lora": any("lora_" in n for n in names),
+    }

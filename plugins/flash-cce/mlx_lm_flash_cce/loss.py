@@ -1,0 +1,207 @@
+"""``make_loss(model)``: mlx-lm's ``default_loss`` without the logits.
+
+Each architecture's output is ``post(head(hidden(inputs)))``. A registry
+says, per mlx-lm model module, how to get the final hidden states, which
+module is the head, and the final logit transform (a scale, a soft cap).
+Models not in the registry get the common rule (``model.model(inputs)``,
+then ``lm_head`` or the tied input embedding). Either way a one-time
+self-check compares the decomposition with the model's own logits on a
+short input; on a mismatch the loss falls back to mlx-lm's stock loss with
+a warning, so a wrong guess costs memory, never correctness.
+"""
+
+import logging
+from typing import Callable, NamedTuple, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import api
+
+log = logging.getLogger("mlx_lm_flash_cce")
+
+CHECK_TOKENS = 12
+
+
+class Arch(NamedTuple):
+    hidden: Callable  # (model, inputs [B, T]) -> hidden states [B, T, H]
+    head: Callable  # model -> head (module, as_linear method, or array)
+    softcap: Callable = lambda model: None
+    logit_scale: Callable = lambda model: None
+
+
+def _inner(model, inputs):
+    return model.model(inputs)
+
+
+def _lm_head_or_embedding(model):
+    # An untied model keeps `lm_head`; tied ones (llama/qwen default,
+    # gemma3_text after sanitize) have none and reuse the input embedding.
+    if "lm_head" in model and not getattr(model, "tie_word_embeddings", False):
+        return model.lm_head
+    return model.model.embed_tokens.as_linear
+
+
+STANDARD = Arch(hidden=_inner, head=_lm_head_or_embedding)
+
+ARCHS = {
+    "llama": STANDARD,  # also mistral (mlx-lm remaps it to llama)
+    "qwen2": STANDARD,
+    "qwen3": STANDARD,
+    "phi3": STANDARD,
+    "gemma3_text": STANDARD,
+    "gemma2": Arch(
+        hidden=_inner,
+        head=lambda m: m.model.embed_tokens.as_linear,
+        softcap=lambda m: float(m.final_logit_softcapping),
+    ),
+    "gpt2": Arch(hidden=_inner, head=lambda m: m.model.wte.as_linear),
+    "cohere": Arch(
+        hidden=_inner,
+        head=lambda m: m.model.embed_tokens.as_linear,
+        logit_scale=lambda m: float(m.model.args.logit_scale),
+    ),
+    "granite": Arch(
+        hidden=_inner,
+        head=_lm_head_or_embedding,
+        logit_scale=lambda m: 1.0 / float(m.logits_scaling),
+    ),
+}
+
+
+def arch_name(model):
+    """The mlx-lm model module a model comes from (``mlx_lm.models.llama`` -> llama)."""
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def resolve(model):
+    """``(name, Arch)`` for ``model``: its registry entry or the generic rule."""
+    name = arch_name(model)
+    if name in ARCHS:
+        return name, ARCHS[name]
+    return "generic", STANDARD
+
+
+def stock_loss(model, batch, lengths):
+    """mlx-lm's ``default_loss`` (looked up at call time)."""
+    from mlx_lm.tuner.trainer import default_loss
+
+    return default_loss(model, batch, lengths)
+
+
+def _check_input(model, vocab):
+    key = mx.random.key(12345)  # never touch the global RNG the trainer saves
+    return mx.random.randint(0, vocab, (1, CHECK_TOKENS + 1), key=key)
+
+
+def self_check(model, arch, options):
+    """Compare the decomposition with ``model(x)``; return ``(ok, max_error, message)``."""
+    was_training = model.training
+    model.eval()  # no dropout while comparing
+    try:
+        head = arch.head(model)
+        softcap, scale = arch.softcap(model), arch.logit_scale(model)
+        probe = mx.zeros((1, 1), dtype=mx.int32)
+        vocab = model(probe).shape[-1]
+        batch = _check_input(model, vocab)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = model(inputs).astype(mx.float32)
+        want = nn.losses.cross_entropy(logits, targets)
+        hidden = arch.hidden(model, inputs)
+        flash_opts = {k: v for k, v in options.items() if k not in ("impl", "min_flash_elements")}
+        got = api.linear_cross_entropy(
+            hidden, head, targets, softcap=softcap, logit_scale=scale,
+            reduction="none", impl="flash" if _sliceable(head) else "chunked", **flash_opts,
+        )
+        err = mx.max(mx.abs(got - want) / mx.maximum(mx.abs(want), 1.0)).item()
+    except Exception as e:  # a registry entry that does not fit this model
+        return False, float("inf"), f"{type(e).__name__}: {e}"
+    finally:
+        model.train(was_training)
+    half = logits.dtype != mx.float32 or hidden.dtype != mx.float32
+    tol = 5e-2 if half else 1e-3
+    if not err <= tol:  # also catches NaN
+        return False, err, f"per-token loss differs from the model's own by {err:.3g} (tolerance {tol:g})"
+    return True, err, f"matches the model's logits (max relative error {err:.2g})"
+
+
+def _sliceable(head):
+    from . import heads
+
+    try:
+        return heads.as_head(head).kind != "module"
+    except (TypeError, ValueError):
+        return False
+
+
+def make_loss(model, *, check=True, verbose=True, **options):
+    """A loss with ``default_loss``'s signature, mask and value, without ``[N, V]`` logits.
+
+    ``options`` go to ``linear_cross_entropy`` (``token_chunk``,
+    ``vocab_chunk``, ``filter_eps``, ``impl``, ``backend`` ...). The
+    returned function has attributes ``flash`` (False when it fell back to
+    the stock loss), ``arch`` and ``check`` (the self-check message).
+    """
+    name, arch = resolve(model)
+    message = "self-check skipped"
+    if check:
+        ok, _, message = self_check(model, arch, options)
+        if not ok:
+            log.warning(
+                "flash-cce: %s model (%s) does not fit the %s rule: %s; using mlx-lm's stock loss",
+                name, type(model).__name__, "registry" if name != "generic" else "generic", message,
+            )
+            stock_loss.flash, stock_loss.arch, stock_loss.check = False, name, message
+            return stock_loss
+    said = []
+
+    def loss(model, batch, lengths):
+        inputs = batch[:, :-1]
+        targets = batch[:, 1:]
+        hidden = arch.hidden(model, inputs)
+
+        steps = mx.arange(1, targets.shape[1] + 1)
+        mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
+
+        # Loss-only calls (mlx-lm's evaluate runs in eval mode) skip the
+        # gradient half of the pass; training computes it in the same sweep.
+        ce = api.linear_cross_entropy(
+            hidden, arch.head(model), targets,
+            softcap=arch.softcap(model), logit_scale=arch.logit_scale(model),
+            reduction="none", with_grad=model.training, **options,
+        )
+        if verbose and not said and model.training:
+            said.append(True)
+            _report(name, hidden, arch.head(model), targets, options)
+        ce = ce * mask
+        ntoks = mask.sum()
+        ce = ce.astype(mx.float32).sum() / ntoks
+        return ce, ntoks
+
+    loss.flash, loss.arch, loss.check = True, name, message
+    if verbose:
+        print(f"flash-cce: {name} model, loss from hidden states and head; self-check: {message}", flush=True)
+    return loss
+
+
+def _report(name, hidden, head, targets, options):
+    """One line on what the stock loss would have held for this batch."""
+    from . import heads, portable
+
+    try:
+        spec = heads.as_head(head)
+        vocab = spec.vocab or None
+    except (TypeError, ValueError):
+        vocab = None
+    if not vocab:
+        return
+    n_tok = targets.size
+    logit_bytes = n_tok * vocab * hidden.dtype.size
+    opts = portable.Options(**{k: v for k, v in options.items() if k in portable.Options._fields})
+    nc, vc = portable.vocab_chunk_for(opts, n_tok, vocab)
+    print(
+        f"flash-cce: batch of {n_tok} tokens x {vocab} vocab: the stock loss holds "
+        f"[{n_tok}, {vocab}] logits and their gradient ({2 * logit_bytes / 2**20:.0f} MiB and up); "
+        f"flash-cce works in [{nc}, {vc}] float32 blocks ({nc * vc * 4 / 2**20:.1f} MiB each)",
+        flush=True,
+    )

@@ -1,0 +1,135 @@
+"""mlx-lm-ext hooks: ``mlx_lm.lora --loss flash-cce`` and ``mlx-lm-ext doctor``.
+
+Flags (lora; all default to None so a YAML config can set them, the real
+defaults are applied in ``activate``):
+
+``--cce-impl``          auto | flash | stock | chunked (default auto)
+``--cce-backend``       auto or a backend name (default auto)
+``--cce-token-chunk``   tokens per pass (default 1024)
+``--cce-vocab-chunk``   vocabulary rows per block (default: 2**20 / token chunk)
+``--cce-filter-eps``    approximate: skip gradient tiles below eps (default off)
+``--cce-block-skip-eps`` approximate: skip vocabulary blocks below eps (default off)
+``--cce-crossover``     logits (tokens x vocab) below which the stock-style
+                        head runs (default: api.MIN_FLASH_ELEMENTS)
+``--cce-no-check``      skip the one-time self-check against the model's logits
+"""
+
+import argparse
+
+from mlx_lm_ext import PluginError, hookimpl
+
+NAME = "flash-cce"
+
+DEFAULTS = {
+    "cce_impl": "auto",
+    "cce_backend": "auto",
+    "cce_token_chunk": 1024,
+    "cce_vocab_chunk": 0,
+    "cce_filter_eps": None,
+    "cce_block_skip_eps": None,
+    "cce_crossover": None,
+    "cce_no_check": False,
+}
+
+_options = {}
+
+
+@hookimpl
+def commands():
+    return ["lora"]
+
+
+@hookimpl
+def add_arguments(command, group):
+    if command != "lora":
+        return
+    group.add_argument("--cce-impl", choices=("auto", "flash", "stock", "chunked"), default=None,
+                       help="auto: stock-style head for short batches, flash otherwise (default auto)")
+    group.add_argument("--cce-backend", default=None, metavar="NAME",
+                       help="loss backend: auto or a registered name, e.g. mlx (default auto)")
+    group.add_argument("--cce-token-chunk", type=int, default=None, metavar="N",
+                       help="tokens per pass over the vocabulary (default 1024)")
+    group.add_argument("--cce-vocab-chunk", type=int, default=None, metavar="N",
+                       help="vocabulary rows per block (default: 2**20 / token chunk)")
+    group.add_argument("--cce-filter-eps", type=float, default=None, metavar="EPS",
+                       help="approximate gradient: skip 64x64 tiles whose softmax coefficients are all "
+                            "below EPS (dense heads; default off, see the README's measurement)")
+    group.add_argument("--cce-block-skip-eps", type=float, default=None, metavar="EPS",
+                       help="approximate gradient: skip 64-wide vocabulary blocks whose probabilities "
+                            "are all below EPS (dense heads; default off)")
+    group.add_argument("--cce-crossover", type=int, default=None, metavar="ELEMENTS",
+                       help="use the stock-style head below this many logits per batch (tokens x vocab)")
+    group.add_argument("--cce-no-check", action="store_true", default=None,
+                       help="skip the one-time check against the model's own logits")
+
+
+def options_from(args):
+    """Validated ``make_loss`` keyword options from parsed flags (None -> default)."""
+    get = lambda key: DEFAULTS[key] if getattr(args, key, None) is None else getattr(args, key)
+    for key in ("cce_token_chunk", "cce_vocab_chunk", "cce_crossover"):
+        value = get(key)
+        if value is not None and (not isinstance(value, int) or value < 0 or (key == "cce_token_chunk" and value == 0)):
+            raise PluginError(f"--{key.replace('_', '-')} must be a positive integer, got {value!r}")
+    for key in ("cce_filter_eps", "cce_block_skip_eps"):
+        value = get(key)
+        if value is not None and not (0 < value < 1):
+            raise PluginError(f"--{key.replace('_', '-')} must be between 0 and 1, got {value!r}")
+    impl = get("cce_impl")
+    if impl not in ("auto", "flash", "stock", "chunked"):
+        raise PluginError(f"--cce-impl must be auto, flash, stock or chunked, got {impl!r}")
+    from . import backends
+
+    backend = get("cce_backend")
+    if backend != "auto" and backend not in backends.available():
+        raise PluginError(f"--cce-backend {backend!r} is not available here (have: {', '.join(backends.available())})")
+    return {
+        "impl": impl,
+        "backend": backend,
+        "token_chunk": get("cce_token_chunk"),
+        "vocab_chunk": get("cce_vocab_chunk"),
+        "filter_eps": get("cce_filter_eps"),
+        "block_skip_eps": get("cce_block_skip_eps"),
+        "min_flash_elements": get("cce_crossover"),
+        "check": not get("cce_no_check"),
+    }
+
+
+@hookimpl
+def activate(command, args):
+    _options.clear()
+    _options.update(options_from(args if args is not None else argparse.Namespace()))
+
+
+@hookimpl
+def deactivate():
+    _options.clear()
+
+
+@hookimpl
+def make_loss(name, model, args):
+    if name != NAME:
+        return None
+    from .loss import make_loss as build
+
+    options = dict(_options) if _options else options_from(args)
+    return build(model, **options)
+
+
+@hookimpl
+def doctor():
+    import mlx.core as mx
+
+    from . import backends, qmm
+
+    lines = [("flash-cce backends", ", ".join(backends.available()))]
+    try:
+        result = qmm.probe()
+        worst = max(result["rows"].values())
+        verdict = "BUG: wrong values (flash-cce pads these to 4 rows)" if result["buggy"] else "ok"
+        lines.append((
+            "flash-cce quantized_matmul M=2,3",
+            f"{verdict} on {result['device']} (max rel. error {worst:.1e}, mlx {mx.__version__})",
+        ))
+    except Exception as e:  # the probe must never break doctor
+        lines.append(("flash-cce quantized_matmul M=2,3", f"probe failed: {e!r}"))
+    return lines
