@@ -20,7 +20,6 @@ switch-off should keep ``ngram`` close to stock.
 """
 
 import argparse
-import inspect
 import sysconfig
 import time
 from pathlib import Path
@@ -35,9 +34,16 @@ import mlx_lm_spec_decode as sd
 
 
 def stdlib_function(module, name):
-    import importlib
+    """Source of a top-level function in CPython's stdlib (the .py file, even
+    where a C accelerator replaces it at import)."""
+    import ast
 
-    return inspect.getsource(getattr(importlib.import_module(module), name))
+    path = Path(sysconfig.get_paths()["stdlib"], module + ".py")
+    src = path.read_text()
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(src, node)
+    raise LookupError(f"{module}.{name}")
 
 
 def passage():

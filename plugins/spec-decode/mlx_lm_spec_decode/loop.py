@@ -258,14 +258,15 @@ def speculative_generate_step(
                 lp = _logprobs(logits, logits_processors, context, drafts)
                 if kind == "explicit":
                     keep, res, bonus = sampling.verify_explicit(lp, drafts, q, temp, filt)
-                    mx.eval(keep, res, bonus, drafts, lp)
+                    mx.eval(keep, res, bonus, drafts)
                     keep = keep.tolist()
                     a = keep.index(False) if False in keep else k
                     target_tok = res.tolist()[a] if a < k else bonus.item()
                 else:
                     t = sampling.verify_greedy(lp, drafts) if kind == "greedy" else _match(lp, sampler, match_checked)
                     match_checked = True
-                    mx.eval(t, drafts, lp)
+                    # The logprobs rows stay lazy: only a consumer that reads them pays.
+                    mx.eval(t, drafts)
                     t = t.tolist()
                     d = drafts.tolist()
                     a = 0
