@@ -34,7 +34,7 @@ from .ngram import NGramDrafter
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
-DRAFTERS = ("ngram", "draft-model")
+DRAFTERS = ("ngram", "draft-model", "assistant")
 _state = {"active": False, "args": None}
 _undo = []
 _http = threading.local()
@@ -52,9 +52,13 @@ def add_arguments(command, group):
         choices=DRAFTERS,
         default=None,
         help="Drafter for speculative decoding: prompt lookup ('ngram') or a smaller "
-        "model ('draft-model', from --draft-model). Default: draft-model when "
+        "model ('draft-model', from --draft-model) or a trained assistant that reads the target's "
+        "cache ('assistant', from --drafter-path). Default: draft-model when "
         "--draft-model is given, else ngram. --num-draft-tokens is the starting draft length.",
     )
+    group.add_argument("--drafter-path", default=None,
+                       help="Folder of a trained assistant drafter (--drafter assistant), made for this "
+                       "model by 'mlx-lm-ext train-drafter'.")
     group.add_argument("--ngram-max", type=int, default=4,
                        help="Longest n-gram the ngram drafter matches (tried first). Default: 4.")
     group.add_argument("--ngram-min", type=int, default=2,
@@ -82,6 +86,8 @@ def _check(args):
         raise PluginError(f"--num-draft-tokens must be a positive integer, got {n}")
     if drafter == "draft-model" and hasattr(args, "draft_model") and not args.draft_model:
         raise PluginError("--drafter draft-model needs --draft-model PATH (a smaller model with the same tokenizer)")
+    if drafter == "assistant" and not getattr(args, "drafter_path", None):
+        raise PluginError("--drafter assistant needs --drafter-path DIR (train one with: mlx-lm-ext train-drafter)")
 
 
 @hookimpl
@@ -114,6 +120,8 @@ def make_drafter(command, model, tokenizer, draft_model, args):
     args = args if args is not None else _state["args"]
     which = getattr(args, "drafter", None) or ("draft-model" if draft_model is not None else "ngram")
     opts = _options(args, which)
+    if which == "assistant":
+        return _assistant(model, args, opts)
     if which == "ngram":
         if draft_model is not None:
             log.warning("spec-decode: --drafter ngram ignores the --draft-model")
@@ -133,6 +141,22 @@ def make_drafter(command, model, tokenizer, draft_model, args):
         )
     except (VocabularyMismatch, ValueError) as e:
         raise PluginError(f"spec-decode: {e}") from e
+
+
+def _assistant(model, args, opts):
+    from .assistant import AssistantError, load
+
+    try:
+        return load(args.drafter_path, model, **opts)
+    except AssistantError as e:
+        raise PluginError(f"spec-decode: {e}") from e
+
+
+@hookimpl
+def add_subcommands(subparsers):
+    from .assistant_train import add_subcommand
+
+    add_subcommand(subparsers)
 
 
 def _load_tokenizer(path):
