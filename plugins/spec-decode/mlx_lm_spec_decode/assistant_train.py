@@ -218,22 +218,23 @@ class Target:
         model.freeze()
 
     def run(self, x):
-        """Hidden states, donor K/V and target log-probs for tokens ``x [B, T]``."""
+        """Hidden states, token embeddings, donor K/V, the target's next-token
+        probabilities and its argmax, for tokens ``x [B, T]``."""
         caches = [KVCache() for _ in make_prompt_cache(self.model)]
         h = self.backbone(x, caches)
         logits = self.head(h).astype(mx.float32)
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         T = x.shape[1]
         kv = [(caches[d].keys[..., :T, :], caches[d].values[..., :T, :]) for d in self.cfg.donors]
-        return h, self.embed(x), kv, lp
+        return h, self.embed(x), kv, mx.softmax(logits, axis=-1, precise=True), mx.argmax(logits, axis=-1)
 
 
-def loss_fn(net, target, h, emb, kv, lp_t, steps, feature_weight, step_decay=0.8):
+def loss_fn(net, target, h, emb, kv, p_t, top_t, steps, feature_weight, step_decay=0.8):
+    """Distillation loss over ``steps`` chained draft steps, step ``s``
+    weighted ``step_decay**s``; also each step's cross-entropy and top-1
+    agreement with the target (rows with a full chain only)."""
     donors = [(k, v, None) for k, v in kv]
     outs = net.unrolled(h, emb, donors, target.ropes, target.cfg.windows, steps)
     T = h.shape[1]
-    p_t = mx.exp(lp_t)
-    top_t = mx.argmax(lp_t, axis=-1)
     hf = h.astype(mx.float32)
     total, norm = 0.0, 0.0
     ces, accs = [], []
@@ -403,8 +404,8 @@ def train(args):
 
     value_grad = nn.value_and_grad(net, lambda n, *a: loss_fn(n, target, *a, args.draft_steps, args.feature_weight))
 
-    def update(h, emb, kv, lp):
-        (loss, ces, accs), grads = value_grad(net, h, emb, kv, lp)
+    def update(h, emb, kv, p, top):
+        (loss, ces, accs), grads = value_grad(net, h, emb, kv, p, top)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(net, grads)
         return loss, ces, accs
@@ -424,9 +425,9 @@ def train(args):
     try:
         while step < args.steps:
             x = batch(step)
-            h, emb, kv, lp = target.run(x)
-            mx.eval(h, emb, kv, lp)
-            loss, ces, accs = step_fn(h, emb, kv, lp)
+            inputs = target.run(x)
+            mx.eval(inputs)
+            loss, ces, accs = step_fn(*inputs)
             mx.eval(state, loss, ces, accs)
             step += 1
             rec = {"step": step, "loss": loss.item(), "ce": ces.tolist(), "top1": accs.tolist(),

@@ -65,7 +65,8 @@ class Controller:
     """Adaptive draft length and the measured on/off switch."""
 
     WINDOW = 16  # recent drafting rounds compared against plain steps
-    MIN_ROUNDS = 6
+    MIN_ROUNDS = 4  # drafting rounds measured before the first decision
+    RETRY_ROUNDS = 3  # ... and after each retry
     SLACK = 1.03  # drafting must be at least this much slower to switch off
     BACKOFF = 32  # tokens decoded plainly before drafting is tried again
 
@@ -80,6 +81,7 @@ class Controller:
         self.backoff = self.BACKOFF
         self.off_for = 0
         self.switched_off = False
+        self.need = self.MIN_ROUNDS
 
     def want(self):
         if self.probe > 0:
@@ -98,9 +100,9 @@ class Controller:
         if not self.auto_off:
             return
         # Measure a plain step now and then: a draft model never yields one.
-        if self.rounds == 3 or self.rounds % 64 == 0:
+        if self.rounds == 2 or self.rounds % 64 == 0:
             self.probe = 2
-        if len(self.plain) >= 2 and len(self.spec) >= self.MIN_ROUNDS:
+        if len(self.plain) >= 2 and len(self.spec) >= self.need:
             spec = sum(t for t, _ in self.spec) / sum(n for _, n in self.spec)
             plain = sorted(self.plain)[len(self.plain) // 2]
             if spec > plain * self.SLACK:
@@ -108,7 +110,8 @@ class Controller:
                 self.backoff *= 2
                 self.switched_off = True
                 self.spec.clear()
-                self.probe = 2
+                self.need = self.RETRY_ROUNDS
+                self.probe = 1
 
 
 def speculative_generate_step(

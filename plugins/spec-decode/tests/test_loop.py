@@ -41,7 +41,7 @@ def test_greedy_parity_with_stock(tiny_llama, tiny_draft, which, repetitive_prom
     model, tok = tiny_llama
     drafter = {"ngram": lambda: NGramDrafter(n_min=1),
                "draft-model": lambda: DraftModelDrafter(tiny_draft),
-               "self": lambda: DraftModelDrafter(model)}[which]()
+               "self": lambda: DraftModelDrafter(model, auto_off=False)}[which]()
     prompt = repetitive_prompt(tok)
     ref = stock(model, prompt, 40)
     assert spec(model, drafter, prompt, 40) == ref

@@ -1,0 +1,369 @@
+"""The assistant drafter on tiny random models: it reads the target's own
+cache (no copies), its training forward computes exactly what drafting
+computes, its state stays consistent with the target's through every
+rollback, greedy output is stock greedy output, and a folder only loads for
+the model it was made for."""
+
+import json
+from argparse import Namespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlx_lm_spec_decode import DraftContext, last_stats, speculative_generate_step
+from mlx_lm_spec_decode import assistant as A
+from mlx_lm_spec_decode import target as target_mod
+from mlx_lm_spec_decode.assistant_train import Target, loss_fn
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return load(str(tiny_model("llama")))
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny_model):
+    return load(str(tiny_model("gemma3_text")))  # sliding window 8 on layers 0 and 2
+
+
+def stock(model, prompt, n, **kw):
+    out = []
+    for t, _ in generate_step(prompt, model, max_tokens=n, **kw):
+        out.append(int(t))
+        if len(out) == n:
+            break
+    return out
+
+
+def spec(model, drafter, prompt, n, k=3, **kw):
+    return [t for t, _, _ in speculative_generate_step(prompt, model, drafter, num_draft_tokens=k, max_tokens=n, **kw)]
+
+
+def fresh_drafter(model, layers=1, seed=0, **kw):
+    cfg = A.make_config(model, num_layers=layers)
+    mx.random.seed(seed)
+    return A.AssistantDrafter(model, A.Assistant(cfg), cfg, **kw)
+
+
+def overfit_drafter(model, seq, steps=25, layers=1, lr=1e-2):
+    """A drafter trained (with the real training loss) on one token sequence
+    until it mostly agrees with the target there: drafts get accepted."""
+    cfg = A.make_config(model, num_layers=layers)
+    mx.random.seed(0)
+    net = A.Assistant(cfg)
+    target = Target(model, cfg)
+    x = mx.array([seq], mx.uint32)
+    inputs = target.run(x)
+    mx.eval(inputs)
+    opt = optim.Adam(learning_rate=lr)
+    vg = nn.value_and_grad(net, lambda n: loss_fn(n, target, *inputs, 1, 0.1))
+    first = None
+    for _ in range(steps):
+        (loss, ces, accs), g = vg(net)
+        opt.update(net, g)
+        mx.eval(net.parameters(), opt.state, loss, accs)
+        first = first if first is not None else loss.item()
+    model.unfreeze()
+    return A.AssistantDrafter(model, net, cfg), first, loss.item(), accs.tolist()
+
+
+def prompt_of(tok, text="one two three four five six seven eight nine ten"):
+    return mx.array(tok.encode(text))
+
+
+# ----------------------------------------------------------- shape, donors
+
+
+def test_donor_layers_are_the_last_sliding_and_last_full(llama, gemma):
+    cfg = A.make_config(llama[0], num_layers=2)
+    assert cfg.donors == [1, 1] and cfg.windows == [None, None]  # no sliding layers: the last one
+    cfg = A.make_config(gemma[0], num_layers=2)
+    assert cfg.donors == [2, 3] and cfg.windows == [8, None]
+    assert A.make_config(gemma[0], num_layers=1).donors == [3]
+    # The drafter's heads are laid out as the donor's K/V.
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 16)
+
+
+def test_no_copy_of_the_head_embedding_or_cache(llama):
+    model, tok = llama
+    d = fresh_drafter(model)
+    params = tree_flatten(d.net.parameters())
+    assert not any(k.startswith(("embed_tokens", "lm_head")) or 49152 in v.shape for k, v in params)
+    n_params = sum(v.size for _, v in tree_flatten(d.net.parameters()))
+    assert n_params < model.model.embed_tokens.weight.size / 10
+    # The lm-head and embedding the drafter uses are the target's own modules.
+    assert d.embed is model.model.embed_tokens
+    x = mx.random.normal((1, 1, 64))
+    assert mx.array_equal(d.head(x), model.model.embed_tokens.as_linear(x))
+    # Nothing of the drafter rides in the prompt cache.
+    assert d.make_cache() == [] and d.cache_ok([])
+
+
+def test_drafter_reads_the_target_cache_in_place(llama):
+    """The donor K/V are read through the target's own cache objects at
+    draft time: changing the target's cache changes the drafts' inputs."""
+    model, tok = llama
+    d = fresh_drafter(model)
+    split = target_mod.split(model)
+    prompt = prompt_of(tok)
+    cache = make_prompt_cache(model)
+    h = split[0](prompt[None, :-1], cache)
+    ctx = DraftContext(model, cache, [], hidden=h[0, -1:])
+    d.prefill(ctx, prompt.tolist())
+    donors = d.donors(ctx)
+    assert all(c is cache[i] for c, i in zip(donors, d.cfg.donors))
+    keys, values, _ = A.donor_view(cache[d.cfg.donors[0]])
+    assert keys.shape[2] == cache[0].offset == len(prompt) - 1
+    assert mx.array_equal(keys, cache[d.cfg.donors[0]].keys[..., : keys.shape[2], :])
+
+    def hidden_out():
+        own = [[] for _ in d.net.layers]
+        views = [A.donor_view(c) for c in d.donors(ctx)]
+        return d.net.step(ctx.hidden[None], d.embed(prompt[-1:])[None], views, d.ropes, own, cache[0].offset)
+
+    before = hidden_out()
+    mx.eval(before)
+    c = cache[d.cfg.donors[0]]
+    saved = c.values
+    c.values = mx.zeros_like(c.values)  # e.g. the target's cache rewritten in place
+    after = hidden_out()
+    assert not mx.allclose(before, after).item()
+    c.values = saved
+    assert mx.array_equal(before, hidden_out())
+
+
+@pytest.mark.parametrize("arch,layers", [("llama", 1), ("llama", 2), ("gemma3_text", 2)])
+def test_training_forward_equals_drafting(tiny_model, arch, layers):
+    """``unrolled`` (training) and ``step`` (drafting) agree for chains from
+    every base, including a sliding-window donor past its window."""
+    model, tok = load(str(tiny_model(arch)))
+    cfg = A.make_config(model, num_layers=layers)
+    mx.random.seed(1)
+    net = A.Assistant(cfg)
+    split = target_mod.split(model)
+    x = mx.array([tok.encode("one two three four five six seven eight nine ten " * 3)[:20]])
+    T = x.shape[1]
+    assert T == 20
+    caches = [KVCache() for _ in make_prompt_cache(model)]
+    h = split[0](x, caches)
+    emb = model.model.embed_tokens(x)
+    ropes = [A.rope_of(model, i) for i in cfg.donors]
+    steps = 3
+    outs = net.unrolled(h, emb, [A.donor_view(caches[i]) for i in cfg.donors], ropes, cfg.windows, steps)
+    checked = 0
+    for t in (0, 4, 9, 15):  # t = 9, 15: the rotating cache has wrapped
+        c = make_prompt_cache(model)
+        for i in range(t + 1):  # token by token, as decoding fills it
+            hid = split[0](x[:, i : i + 1], c)
+        own = [[] for _ in net.layers]
+        views = [A.donor_view(c[i]) for i in cfg.donors]
+        for s in range(steps):
+            p = t + 1 + s
+            hid = net.step(hid, emb[:, p : p + 1], views, ropes, own, c[cfg.donors[-1]].offset + s)
+            assert mx.allclose(hid, outs[s][:, p : p + 1], atol=1e-4).item(), (t, s)
+            checked += 1
+    assert checked == 12
+
+
+# ----------------------------------------------------------------- the loop
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_greedy_parity_random_drafter(llama, layers):
+    model, tok = llama
+    prompt = prompt_of(tok)
+    ref = stock(model, prompt, 24)
+    assert spec(model, fresh_drafter(model, layers, auto_off=False), prompt, 24) == ref
+    s = last_stats()
+    assert s.drafter == "assistant" and s.drafted > 0 and s.emitted == 24
+
+
+@pytest.fixture(scope="module")
+def trained(llama):
+    """A drafter overfit on the target's own greedy continuation of a prompt."""
+    model, tok = llama
+    prompt = prompt_of(tok)
+    seq = prompt.tolist() + stock(model, prompt, 40)
+    d, first, last, accs = overfit_drafter(model, seq)
+    return d, prompt, first, last, accs
+
+
+def test_trained_drafter_agrees_and_output_is_stock(llama, trained):
+    model, tok = llama
+    d, prompt, first, last, accs = trained
+    assert last < first and accs[0] > 0.7
+    ref = stock(model, prompt, 40)
+    for k in (1, 3, 5):
+        assert spec(model, d, prompt, 40, k=k) == ref
+        s = last_stats()
+        assert s.accepted > 0 and s.forwards < 40, s
+    # A different prompt: fewer acceptances, same output as stock.
+    other = prompt_of(tok, "the quick brown fox jumps over the lazy dog")
+    assert spec(model, d, other, 30) == stock(model, other, 30)
+
+
+class Checked(A.AssistantDrafter):
+    """Before every draft, recompute the drafter's inputs from scratch (a
+    fresh prefill of the history) and check the drafts are identical: the
+    target cache, the hidden state and the drafter's own state agree."""
+
+    def __init__(self, base, split, history):
+        self.__dict__.update(base.__dict__)
+        self.split, self.history, self.checks = split, history, 0
+
+    def prefill(self, ctx, tokens):
+        super().prefill(ctx, tokens)
+        self.history[:] = list(tokens)
+
+    def accept(self, ctx, tokens, n_drafted):
+        super().accept(ctx, tokens, n_drafted)
+        self.history.extend(tokens)
+        assert ctx.state["own"] == 0  # the chain's own entries are gone
+
+    def draft(self, ctx, n):
+        got, _ = super().draft(ctx, n)
+        if ctx.hidden is None:
+            return got, None
+        seq = self.history
+        assert ctx.target_cache[0].offset == len(seq) - 1
+        cache = make_prompt_cache(self.model)
+        h = self.split[0](mx.array([seq[:-1]]), cache)
+        ref_ctx = DraftContext(self.model, cache, [], hidden=h[0, -1:])
+        A.AssistantDrafter.prefill(self, ref_ctx, seq)
+        want, _ = A.AssistantDrafter.draft(self, ref_ctx, n)
+        assert got.tolist() == want.tolist()
+        assert mx.allclose(ctx.hidden, h[0, -1:], atol=1e-4).item()
+        self.checks += 1
+        return got, None
+
+
+def test_rollback_keeps_drafter_and_target_consistent(llama, trained):
+    model, tok = llama
+    d, prompt, *_ = trained
+    for text in ("one two three four five six seven eight nine ten", "the quick brown fox"):
+        p = prompt_of(tok, text)
+        c = Checked(d, target_mod.split(model), [])
+        out = spec(model, c, p, 30, k=4)
+        s = last_stats()
+        assert out == stock(model, p, 30)
+        assert c.checks == s.draft_rounds > 0
+
+
+def test_stops_leave_exact_caches(llama, trained):
+    model, tok = llama
+    d, prompt, *_ = trained
+    ref = stock(model, prompt, 30)
+    for stop_after in (1, 2, 5, 11):
+        cache = make_prompt_cache(model) + d.make_cache()
+        gen = speculative_generate_step(prompt, model, d, num_draft_tokens=4, max_tokens=50, prompt_cache=cache)
+        out = [next(gen)[0] for _ in range(stop_after)]
+        gen.close()
+        assert out == ref[:stop_after]
+        seq = prompt.tolist() + out
+        assert cache[0].offset == len(seq)
+        probe = model(mx.array([[7]]), cache=cache)[0, -1]
+        assert mx.allclose(probe, model(mx.array([seq + [7]]))[0, -1], atol=1e-4).item()
+
+
+def test_sliding_window_target_parity(gemma):
+    model, tok = gemma
+    d = fresh_drafter(model, layers=2, auto_off=False)
+    for text in ("one two", "one two three four five six"):  # the window (8) fills mid-request
+        p = prompt_of(tok, text)
+        assert spec(model, d, p, 16, k=2) == stock(model, p, 16)
+
+
+def test_quantized_kv_cache_parity(llama, trained):
+    model, tok = llama
+    d, prompt, *_ = trained
+    kw = dict(kv_bits=8, kv_group_size=16, quantized_kv_start=4)
+    ref = stock(model, prompt, 24, **kw)
+    assert spec(model, d, prompt, 24, **kw) == ref
+    assert last_stats().accepted > 0
+
+
+def test_sampling_drafts_carry_their_distribution(llama, trained):
+    model, tok = llama
+    d, prompt, *_ = trained
+    from mlx_lm.sample_utils import make_sampler
+
+    split = target_mod.split(model)
+    cache = make_prompt_cache(model)
+    h = split[0](prompt[None, :-1], cache)
+    ctx = DraftContext(model, cache, [], temp=0.7, hidden=h[0, -1:])
+    d.prefill(ctx, prompt.tolist())
+    toks, q = d.draft(ctx, 4)
+    assert toks.shape == (4,) and q.shape[0] == 4
+    assert mx.allclose(q.sum(-1), mx.ones(4), atol=1e-4).item()
+    mx.random.seed(0)
+    out = [t for t, _, _ in speculative_generate_step(prompt, model, d, num_draft_tokens=3, max_tokens=20,
+                                                      sampler=make_sampler(temp=0.7, top_p=0.9))]
+    assert len(out) == 20 and last_stats().drafted > 0
+
+
+# ------------------------------------------------------------ save / load
+
+
+def test_save_load_round_trip_and_fingerprint(tiny_model, llama, trained, tmp_path):
+    model, tok = llama
+    d, prompt, *_ = trained
+    A.save(tmp_path / "a", d.net, d.cfg, dtype=mx.float32)
+    loaded = A.load(tmp_path / "a", model)
+    assert spec(model, loaded, prompt, 20) == spec(model, d, prompt, 20)
+    cfg = json.loads((tmp_path / "a" / A.CONFIG_FILE).read_text())
+    assert cfg["target"]["model_type"] == "llama" and len(cfg["target"]["probe"]) == 64
+
+    # Same architecture, other weights: refused with a clear message.
+    other, _ = load(str(tiny_model("llama", seed=5)))
+    with pytest.raises(A.AssistantMismatch, match="same architecture but other weights"):
+        A.load(tmp_path / "a", other)
+    # Another architecture: refused.
+    qwen, _ = load(str(tiny_model("qwen3")))
+    with pytest.raises(A.AssistantMismatch, match="different model"):
+        A.load(tmp_path / "a", qwen)
+    # The same weights in another format (4-bit here would differ; float16 is close): accepted.
+    half, _ = load(str(tiny_model("llama")))
+    half.set_dtype(mx.float16)
+    A.load(tmp_path / "a", half)
+
+
+def test_bad_folders_fail_clearly(llama, trained, tmp_path):
+    model, tok = llama
+    d, *_ = trained
+    with pytest.raises(A.AssistantError, match="does not exist"):
+        A.load(tmp_path / "missing", model)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(A.AssistantError, match="not an assistant drafter folder"):
+        A.load(tmp_path / "empty", model)
+    A.save(tmp_path / "bad", d.net, d.cfg)
+    (tmp_path / "bad" / A.CONFIG_FILE).write_text("{not json")
+    with pytest.raises(A.AssistantError, match="not a valid assistant config"):
+        A.load(tmp_path / "bad", model)
+    A.save(tmp_path / "trunc", d.net, d.cfg)
+    (tmp_path / "trunc" / A.WEIGHTS_FILE).write_bytes(b"\0" * 10)
+    with pytest.raises(A.AssistantError, match="cannot be loaded"):
+        A.load(tmp_path / "trunc", model)
+
+
+def test_plugin_flags(llama, trained, tmp_path):
+    from mlx_lm_ext import PluginError
+    from mlx_lm_spec_decode import plugin
+
+    model, tok = llama
+    d, *_ = trained
+    A.save(tmp_path / "a", d.net, d.cfg)
+    args = Namespace(drafter="assistant", drafter_path=str(tmp_path / "a"), ngram_min=2, ngram_max=4,
+                     draft_max=None, fixed_draft=False, no_auto_off=False, num_draft_tokens=3)
+    plugin._check(args)
+    got = plugin.make_drafter("generate", model, tok, None, args)
+    assert isinstance(got, A.AssistantDrafter) and got.max_draft == 6
+    with pytest.raises(PluginError, match="--drafter-path"):
+        plugin._check(Namespace(**{**vars(args), "drafter_path": None}))
+    with pytest.raises(PluginError, match="does not exist"):
+        plugin.make_drafter("generate", model, tok, None, Namespace(**{**vars(args), "drafter_path": str(tmp_path / "x")}))
