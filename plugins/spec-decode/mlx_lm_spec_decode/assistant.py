@@ -292,7 +292,8 @@ def attend(q, donor, own_k, own_v, scale, donor_mask=None):
     keys, values, quant = donor
     n_kv = (keys[0] if quant else keys).shape[1]
     rep = H // n_kv
-    q = (q * scale).astype(keys[0].dtype if quant else keys.dtype)
+    # A quantized cache is (packed uint32, scales, biases): compute in the scales' dtype.
+    q = (q * scale).astype(keys[1].dtype if quant else keys.dtype)
     q2 = q.reshape(B, n_kv, rep * L, d)
     if quant:
         gs, bits = quant
@@ -308,7 +309,7 @@ def attend(q, donor, own_k, own_v, scale, donor_mask=None):
     scores = mx.concatenate([s_d, mx.stack(s_o, axis=-1)], axis=-1)
     p = mx.softmax(scores, axis=-1, precise=True)
     p_d = p[..., :T].reshape(B, n_kv, rep * L, T)
-    vdt = values[0].dtype if quant else values.dtype
+    vdt = values[1].dtype if quant else values.dtype
     if quant:
         o_d = mx.quantized_matmul(p_d.astype(vdt), *values, transpose=False, group_size=gs, bits=bits)
     else:
