@@ -443,6 +443,9 @@ def train(args):
             if args.time_limit and now - t0 >= args.time_limit:
                 stop = f"--time-limit {args.time_limit}s reached"
                 break
+            if args.stop_after and step - start >= args.stop_after and step < args.steps:
+                stop = f"--stop-after {args.stop_after} steps"
+                break
             if step % args.save_every == 0 or now - last_save > 120:
                 save_checkpoint(out, net, opt, step, meta())
                 A.save(out, net, cfg)
@@ -506,6 +509,8 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="Seed for weights, data order and prompts. Default: 0.")
     p.add_argument("--time-limit", type=float, default=None,
                    help="Stop (with a checkpoint) after this many seconds of training; rerun to continue.")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="Train at most this many steps in this run (checkpointed); rerun to continue.")
     p.add_argument("--save-every", type=int, default=200, help="Checkpoint every N steps (and every 2 minutes). Default: 200.")
     p.add_argument("--target-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="Cast the target's weights (e.g. bfloat16 on a GPU). Default: as loaded.")

@@ -1,0 +1,113 @@
+"""``mlx-lm-ext train-drafter`` on a tiny random target: the loss falls, a
+stopped run resumes to exactly the weights of an uninterrupted one, bad
+input is a clear error, and the output folder is a working drafter."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from mlx_lm_spec_decode import assistant as A
+from mlx_lm_spec_decode import last_stats, speculative_generate_step
+from mlx_lm_spec_decode.assistant_train import CKPT, DATA_FILE, LOG_FILE, main
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Real text: two modules of CPython's standard library."""
+    d = tmp_path_factory.mktemp("drafter-data")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("json/decoder.py", "textwrap.py"):
+        shutil.copy(stdlib / name, d / Path(name).name)
+    (d / "blob.bin").write_bytes(bytes(range(256)) * 8)  # not text: skipped
+    return d
+
+
+def flags(model, data, out, *extra):
+    return ["--model", str(model), "--data", str(data), "--out", str(out), "--batch-size", "2", "--seq-len", "32",
+            "--draft-steps", "2", "--lr", "1e-2", "--warmup", "1", "--steps", "8", "--max-data-tokens", "4000",
+            "--quiet", "--no-compile", *extra]
+
+
+def records(out):
+    return [json.loads(x) for x in (Path(out) / LOG_FILE).read_text().splitlines()]
+
+
+def test_loss_falls_and_resume_is_exact(tiny_model, data, tmp_path):
+    model = tiny_model("llama")
+    assert main(flags(model, data, tmp_path / "a")) == 0
+    full = records(tmp_path / "a")
+    assert [r["step"] for r in full] == list(range(1, 9))
+    assert max(r["loss"] for r in full[-2:]) < full[0]["loss"]
+
+    # Stopped after 3 steps, then the same command again: the same run.
+    assert main(flags(model, data, tmp_path / "b", "--stop-after", "3")) == 0
+    assert json.loads((tmp_path / "b" / CKPT / "state.json").read_text())["step"] == 3
+    assert (tmp_path / "b" / A.WEIGHTS_FILE).is_file()  # a usable drafter at every checkpoint
+    assert main(flags(model, data, tmp_path / "b")) == 0
+    resumed = records(tmp_path / "b")
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    for a, b in zip(full, resumed):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+    wa = mx.load(str(tmp_path / "a" / CKPT / "weights.safetensors"))
+    wb = mx.load(str(tmp_path / "b" / CKPT / "weights.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert all(mx.allclose(wa[k], wb[k], atol=1e-5).item() for k in wa)
+
+    # A finished run rerun is a no-op; the folder is a drafter for this model.
+    assert main(flags(model, data, tmp_path / "a")) == 0
+    assert len(records(tmp_path / "a")) == 8
+    target, tok = load(str(model))
+    d = A.load(tmp_path / "a", target)
+    prompt = mx.array(tok.encode("def decode(self, s):"))
+    out = [t for t, _, _ in speculative_generate_step(prompt, target, d, num_draft_tokens=3, max_tokens=12)]
+    assert len(out) == 12 and last_stats().drafter == "assistant"
+
+
+def test_changed_settings_and_bad_data_are_clear_errors(tiny_model, data, tmp_path, capsys):
+    model = tiny_model("llama")
+    assert main(flags(model, data, tmp_path / "a", "--stop-after", "1")) == 0
+    assert main(flags(model, data, tmp_path / "a", "--seq-len", "16")) == 2
+    assert "other settings (--seq-len 32 -> 16)" in capsys.readouterr().err
+    # Another target for the same folder: refused by fingerprint.
+    assert main(flags(tiny_model("llama", seed=3), data, tmp_path / "a")) == 2
+    assert "other weights" in capsys.readouterr().err
+    assert main(flags(model, tmp_path / "nothing", tmp_path / "b")) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    (binary / "x.txt").write_bytes(b"\xff\xfe\x00\x00" * 64)
+    assert main(flags(model, binary, tmp_path / "c")) == 2
+    assert "no readable text files" in capsys.readouterr().err
+    assert main(flags(model, data, tmp_path / "d", "--seq-len", "2")) == 2
+    # --restart discards the old run.
+    assert main(flags(model, data, tmp_path / "a", "--seq-len", "16", "--stop-after", "1", "--restart")) == 0
+    assert [r["step"] for r in records(tmp_path / "a")] == [1]
+
+
+def test_generated_chat_data(tiny_model, data, tmp_path):
+    model = tiny_model("llama")
+    assert main(flags(model, data, tmp_path / "a", "--generate", "3", "--generate-tokens", "6", "--stop-after", "1")) == 0
+    d = mx.load(str(tmp_path / "a" / DATA_FILE))
+    _, tok = load(str(model))
+    text = tok.decode(d["chat"].tolist())
+    assert text.count("<|im_start|>assistant") == 3 and d["corpus"].size == 4000
+
+
+def test_the_mlx_lm_ext_command(tiny_model, data, tmp_path):
+    """The subcommand as users run it, through the host's plugin discovery."""
+    exe = Path(sys.executable).with_name("mlx-lm-ext")
+    cmd = [str(exe), "train-drafter", *flags(tiny_model("llama"), data, tmp_path / "a", "--steps", "2")]
+    cmd.remove("--quiet")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "train-drafter" in r.stderr and "top1" in r.stderr  # the progress bar
+    assert "--drafter assistant --drafter-path" in r.stderr
+    assert A.read_config(tmp_path / "a").num_layers == 1
