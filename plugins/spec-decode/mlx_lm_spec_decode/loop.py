@@ -99,12 +99,15 @@ class Controller:
             self.gamma = min(self.gamma + 2, self.gmax) if a == k else max(1, self.gamma - 1)
         if not self.auto_off:
             return
-        # Measure a plain step now and then: a draft model never yields one.
-        if self.rounds == 2 or self.rounds % 64 == 0:
+        # Measure a plain step now and then: a draft model never yields one,
+        # and other processes on the machine change both figures over time.
+        if self.rounds == 2:
             self.probe = 2
+        elif self.rounds % 12 == 0:
+            self.probe = 1
         if len(self.plain) >= 2 and len(self.spec) >= self.need:
             spec = sum(t for t, _ in self.spec) / sum(n for _, n in self.spec)
-            plain = sorted(self.plain)[len(self.plain) // 2]
+            plain = sorted(self.plain)[(len(self.plain) - 1) // 2]
             if spec > plain * self.SLACK:
                 self.off_for = self.backoff
                 self.backoff *= 2
