@@ -304,9 +304,16 @@ def attend(q, donor, own_k, own_v, scale, donor_mask=None):
     s_d = s_d.reshape(B, n_kv, rep, L, T).astype(mx.float32)
     if donor_mask is not None:
         s_d = mx.where(donor_mask, s_d, -mx.inf)
-    q5 = q.reshape(B, n_kv, rep, L, d).astype(mx.float32)
-    s_o = [(q5 * k[:, :, None].astype(mx.float32)).sum(-1) for k in own_k]  # [B, Hkv, rep, L] each
-    scores = mx.concatenate([s_d, mx.stack(s_o, axis=-1)], axis=-1)
+    if L == 1:
+        # Drafting: the chain's own entries are a few more keys of the one
+        # query row (concatenated: they are the chain's, not the cache's).
+        k_o, v_o = mx.concatenate(own_k, axis=2), mx.concatenate(own_v, axis=2)
+        s_o = (q2.astype(k_o.dtype) @ k_o.swapaxes(-1, -2)).reshape(B, n_kv, rep, 1, -1).astype(mx.float32)
+    else:
+        # Training: row i's own keys are row i of each array.
+        q5 = q.reshape(B, n_kv, rep, L, d).astype(mx.float32)
+        s_o = mx.stack([(q5 * k[:, :, None].astype(mx.float32)).sum(-1) for k in own_k], axis=-1)
+    scores = mx.concatenate([s_d, s_o], axis=-1)
     p = mx.softmax(scores, axis=-1, precise=True)
     p_d = p[..., :T].reshape(B, n_kv, rep * L, T)
     vdt = values[1].dtype if quant else values.dtype
@@ -315,8 +322,12 @@ def attend(q, donor, own_k, own_v, scale, donor_mask=None):
     else:
         o_d = p_d.astype(vdt) @ values
     out = o_d.reshape(B, n_kv, rep, L, -1).astype(mx.float32)
-    for j, v in enumerate(own_v):
-        out = out + p[..., T + j, None] * v[:, :, None].astype(mx.float32)
+    if L == 1:
+        p_o = p[..., T:].reshape(B, n_kv, rep, -1)
+        out = out + (p_o.astype(v_o.dtype) @ v_o).reshape(B, n_kv, rep, 1, -1).astype(mx.float32)
+    else:
+        for j, v in enumerate(own_v):
+            out = out + p[..., T + j, None] * v[:, :, None].astype(mx.float32)
     return out.reshape(B, H, L, -1).astype(q.dtype)
 
 
