@@ -1,0 +1,212 @@
+"""The assistant drafter vs stock, n-gram and draft-model decoding, same run.
+
+    # a drafter trained by the documented command (notes/assistant-gpu.md, README):
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        flock /tmp/mlx-lm-ext-heavy.lock python benchmarks/bench_assistant.py --drafter-path DIR
+
+Target: SmolLM2-135M-Instruct (float32 by default; ``--dtype bfloat16`` on a
+GPU). Methods, each on the same prompts, greedy, one after the other:
+
+- ``stock``: mlx-lm's plain decoding (``stream_generate`` without a draft model);
+- ``ngram``: spec-decode's prompt lookup;
+- ``draft-model``: spec-decode with the native 4-bit copy of the model drafting;
+- ``assistant``: spec-decode with the trained assistant drafter (``--drafter-path``).
+
+Prompts: input-grounded (edit a function from CPython's stdlib; answer with
+quotes from a given passage) and open-ended chat (held out: not the
+trainer's prompt templates). Tokens/s is generation only (mlx-lm's
+``generation_tps``), the median of ``--repeats`` runs after a warm-up run
+of every method. ``same`` says whether the text equals stock greedy's;
+``accept`` is accepted/drafted, ``tok/fwd`` tokens per target forward.
+``--json FILE`` also writes every row and the summary.
+"""
+
+import argparse
+import ast
+import importlib
+import json
+import platform
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+import mlx_lm_ext
+from mlx_lm import load, stream_generate
+
+import mlx_lm_spec_decode as sd
+from mlx_lm_spec_decode import assistant
+
+
+def stdlib_function(module, name):
+    path = Path(sysconfig.get_paths()["stdlib"], module + ".py")
+    src = path.read_text()
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(src, node)
+    raise LookupError(f"{module}.{name}")
+
+
+def passage():
+    text = Path(sysconfig.get_paths()["stdlib"], "LICENSE.txt").read_text()
+    start = text.index("A. HISTORY OF THE SOFTWARE")
+    return text[start : start + 1400]
+
+
+def prompts():
+    return [
+        ("grounded", "edit code", "Here is a function from Python's standard library:\n\n"
+         + stdlib_function("textwrap", "indent")
+         + "\nRewrite this function, renaming the parameter `prefix` to `margin`. Output the complete code only."),
+        ("grounded", "quote passage", "Read this passage:\n\n" + passage()
+         + "\n\nWho created Python, and where? Answer with exact quotes from the passage."),
+        ("open", "story", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+        ("open", "explain", "Explain to a child why the sky is blue and why sunsets are red."),
+        ("open", "advice", "I am starting to learn to cook. What should I learn first, and why?"),
+        ("open", "letter", "Write a friendly letter to a neighbour inviting them to a garden party."),
+    ]
+
+
+def enable_plugin():
+    """``mlx_lm_ext.enable`` finds installed plugins by entry point; where
+    the packages only sit on PYTHONPATH (the GPU machine), register the
+    module under its name first."""
+    from mlx_lm_ext import PluginError, plugins
+
+    try:
+        mlx_lm_ext.enable("spec-decode")
+    except PluginError:
+        plugins.manager().register(importlib.import_module("mlx_lm_spec_decode.plugin"), name="spec-decode")
+        mlx_lm_ext.enable("spec-decode")
+
+
+def run(model, tok, prompt, max_tokens, draft=None, k=3):
+    mx.random.seed(0)
+    text, last = "", None
+    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k):
+        text += r.text
+        last = r
+    stats = sd.last_stats() if isinstance(draft, sd.Drafter) else None
+    return text, last.generation_tps, stats
+
+
+def measure(model, tok, prompt, max_tokens, make, k, repeats):
+    runs = [run(model, tok, prompt, max_tokens, make() if make else None, k) for _ in range(repeats)]
+    tps = statistics.median(r[1] for r in runs)
+    return runs[0][0], tps, runs[0][2]
+
+
+def table(rows):
+    head = (f"| {'prompt':<22} | {'method':<12} | {'tok/s':>7} | {'vs stock':>8} | {'accept':>6} | "
+            f"{'tok/fwd':>7} | same |")
+    out = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
+    for r in rows:
+        out.append(f"| {r['prompt']:<22} | {r['method']:<12} | {r['tps']:7.1f} | {r['ratio']:7.2f}x | "
+                   f"{r['accept']:>6} | {r['tpf']:>7} | {r['same']:<4} |")
+    return "\n".join(out)
+
+
+def summary(rows, methods):
+    """Per category: geometric-mean speed ratio and pooled acceptance."""
+    out = ["| category | method | speed vs stock (geo. mean) | acceptance | tok/fwd | all same |",
+           "|---|---|---|---|---|---|"]
+    result = {}
+    for cat in ("grounded", "open"):
+        for m in methods:
+            rs = [r for r in rows if r["category"] == cat and r["method"].rstrip("*") == m]
+            if not rs:
+                continue
+            geo = statistics.geometric_mean([r["ratio"] for r in rs])
+            drafted = sum(r.get("drafted", 0) for r in rs)
+            accepted = sum(r.get("accepted", 0) for r in rs)
+            forwards = sum(r.get("forwards", 0) for r in rs)
+            emitted = sum(r.get("emitted", 0) for r in rs)
+            acc = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
+            tpf = f"{emitted / forwards:.2f}" if forwards else "1.00"
+            same = all(r["same"] in ("yes", "-") for r in rs)
+            out.append(f"| {cat} | {m} | {geo:.2f}x | {acc} | {tpf} | {'yes' if same else 'NO'} |")
+            result[f"{cat}/{m}"] = dict(speed=geo, acceptance=accepted / drafted if drafted else None,
+                                        tokens_per_forward=emitted / forwards if forwards else 1.0, same=same)
+    return "\n".join(out), result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--drafter-path", required=True, help="A trained assistant drafter folder for the target.")
+    p.add_argument("--model", default=None, help="Target model folder. Default: SmolLM2-135M float32 (built offline).")
+    p.add_argument("--draft-model", default=None,
+                   help="Draft model for 'draft-model'. Default: SmolLM2-135M native 4-bit; 'none' to skip.")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="Cast the target (e.g. bfloat16 on a GPU). Default: as loaded.")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="Starting draft length (all drafters). Default: 3.")
+    p.add_argument("--repeats", type=int, default=1, help="Timed runs per method and prompt (median). Default: 1.")
+    p.add_argument("--only", nargs="*", help="Substrings of prompt names or categories to run.")
+    p.add_argument("--methods", default="ngram,draft-model,assistant", help="Comma-separated drafters to compare.")
+    p.add_argument("--json", default=None, help="Write the rows and summary to this file.")
+    args = p.parse_args()
+
+    from mlx_lm_ext import models
+
+    enable_plugin()
+    target_path = args.model or models.build("smollm2-135m-f32", progress=False)
+    target, tok = load(str(target_path))
+    if args.dtype:
+        target.set_dtype(getattr(mx, args.dtype))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    drafters = {}
+    if "ngram" in methods:
+        drafters["ngram"] = lambda: sd.NGramDrafter()
+    if "draft-model" in methods and args.draft_model != "none":
+        q4, _ = load(str(args.draft_model or models.build("smollm2-135m", progress=False)))
+        drafters["draft-model"] = lambda: sd.DraftModelDrafter(q4)
+    if "assistant" in methods:
+        made = assistant.load(args.drafter_path, target)
+        drafters["assistant"] = lambda: made
+    cfg = assistant.read_config(args.drafter_path)
+    state = Path(args.drafter_path, "checkpoint", "state.json")
+    trained = json.loads(state.read_text())["step"] if state.is_file() else "?"
+    print(f"# {Path(str(target_path)).name} ({args.dtype or 'as loaded'}) on {mx.default_device()}, "
+          f"{platform.machine()}; {args.max_tokens} tokens, greedy, k={args.num_draft_tokens}, "
+          f"median of {args.repeats}; assistant: {cfg.num_layers} layer(s), donors {cfg.donors}, "
+          f"{trained} training steps\n", flush=True)
+
+    # Warm-up: first calls of each shape compile kernels (GPU) and fill caches.
+    warm = tok.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True)
+    run(target, tok, warm, 16)
+    for make in drafters.values():
+        run(target, tok, warm, 16, make(), args.num_draft_tokens)
+
+    rows = []
+    t0 = time.perf_counter()
+    for cat, name, text in prompts():
+        label = f"{cat}: {name}"
+        if args.only and not any(s in label for s in args.only):
+            continue
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        base_text, base_tps, _ = measure(target, tok, prompt, args.max_tokens, None, args.num_draft_tokens,
+                                         args.repeats)
+        rows.append(dict(category=cat, prompt=label, method="stock", tps=base_tps, ratio=1.0, accept="",
+                         tpf="1.00", same="-"))
+        for m, make in drafters.items():
+            text_m, tps, st = measure(target, tok, prompt, args.max_tokens, make, args.num_draft_tokens, args.repeats)
+            row = dict(category=cat, prompt=label, method=m + ("*" if st.auto_off else ""), tps=tps,
+                       ratio=tps / base_tps, same="yes" if text_m == base_text else "NO",
+                       accept=f"{100 * st.acceptance:.0f}%", tpf=f"{st.tokens_per_forward:.2f}",
+                       drafted=st.drafted, accepted=st.accepted, forwards=st.forwards, emitted=st.emitted)
+            rows.append(row)
+        print(table(rows[-1 - len(drafters):]) + "\n", flush=True)
+    text, result = summary(rows, list(drafters))
+    print("# all prompts\n\n" + table(rows) + "\n\n# summary (* = drafting switched itself off)\n\n" + text)
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(rows=rows, summary=result, device=str(mx.default_device()),
+                                                   dtype=args.dtype, max_tokens=args.max_tokens,
+                                                   drafter=dict(layers=cfg.num_layers, donors=cfg.donors,
+                                                                steps=trained)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
