@@ -65,10 +65,10 @@ def chunked_per_token(head, hidden, targets, softcap=None, logit_scale=None, tok
     def chunk(params, h, t):
         if owner is not None:
             owner.update(params)
+        t = mx.stop_gradient(t)  # integer ids: checkpoint would differentiate them
         return stock_per_token(heads.Head(kind="module", module=call), h, t, softcap, logit_scale)
 
     step = mx.checkpoint(chunk)
-    targets = mx.stop_gradient(targets)
     parts = []
     for n0 in range(0, hidden.shape[0], token_chunk):
         parts.append(step(params, hidden[n0 : n0 + token_chunk], targets[n0 : n0 + token_chunk]))

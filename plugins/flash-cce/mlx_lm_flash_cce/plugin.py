@@ -121,15 +121,15 @@ def doctor():
 
     from . import backends, qmm
 
-    lines = [("flash-cce backends", ", ".join(backends.available()))]
+    lines = [("backends", ", ".join(backends.available()))]
     try:
         result = qmm.probe()
         worst = max(result["rows"].values())
         verdict = "BUG: wrong values (flash-cce pads these to 4 rows)" if result["buggy"] else "ok"
         lines.append((
-            "flash-cce quantized_matmul M=2,3",
+            "quantized_matmul M=2,3",
             f"{verdict} on {result['device']} (max rel. error {worst:.1e}, mlx {mx.__version__})",
         ))
     except Exception as e:  # the probe must never break doctor
-        lines.append(("flash-cce quantized_matmul M=2,3", f"probe failed: {e!r}"))
+        lines.append(("quantized_matmul M=2,3", f"probe failed: {e!r}"))
     return lines
