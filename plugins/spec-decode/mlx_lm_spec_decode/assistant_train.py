@@ -354,6 +354,62 @@ def make_batches(args, corpus, chat):
     return batch, len(rows), (0 if chat_rows is None else len(chat_rows))
 
 
+def make_trainer(args, cfg, target, ckpt=None):
+    """The drafter (fresh, or from checkpoint folder ``ckpt``), its
+    optimizer, the state to evaluate and the (compiled) training step."""
+    mx.random.seed(args.seed)
+    net = A.Assistant(cfg)
+    opt = optim.AdamW(learning_rate=_schedule(args.lr, args.steps, args.warmup), weight_decay=0.0)
+    opt.init(net.trainable_parameters())
+    if ckpt is not None:  # before compiling: the compiled step captures these state trees
+        load_checkpoint(ckpt, net, opt)
+    value_grad = nn.value_and_grad(net, lambda n, *a: loss_fn(n, target, *a, args.draft_steps, args.feature_weight))
+
+    def update(h, emb, kv, p, top):
+        (loss, ces, accs), grads = value_grad(net, h, emb, kv, p, top)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(net, grads)
+        return loss, ces, accs
+
+    state = [net.state, opt.state]
+    if not (args.compile if args.compile is not None else mx.default_device().type == mx.DeviceType.gpu):
+        return net, opt, state, update
+    compiled = mx.compile(update, inputs=state, outputs=state)
+    fn = {"step": compiled}
+
+    def step(*inputs):
+        try:
+            return fn["step"](*inputs)
+        except Exception as e:  # a backend that cannot compile it: train uncompiled
+            if fn["step"] is update:
+                raise
+            log.warning(f"train-drafter: mx.compile failed ({e}); training uncompiled")
+            print(f"train-drafter: mx.compile failed ({e}); training uncompiled", file=sys.stderr)
+            fn["step"] = update
+            return update(*inputs)
+
+    return net, opt, state, step
+
+
+def calibrate(args, cfg, target, batch, warm=3, timed=8):
+    """``--steps auto``: as many steps as fit in ``--time-limit`` at the
+    speed of a few throwaway steps (the real run starts fresh after)."""
+    args.steps = 1000  # any schedule: these steps are discarded
+    net, opt, state, step_fn = make_trainer(args, cfg, target)
+    t0 = None
+    for i in range(warm + timed):
+        if i == warm:
+            t0 = time.perf_counter()
+        inputs = target.run(batch(i))
+        mx.eval(inputs)
+        mx.eval(state, step_fn(*inputs))
+    per_step = (time.perf_counter() - t0) / timed
+    steps = max(10, int(0.9 * args.time_limit / per_step))
+    print(f"--steps auto: {per_step:.3f} s/step, {steps} steps fit in --time-limit {args.time_limit:g}s",
+          file=sys.stderr)
+    return steps
+
+
 def train(args):
     from mlx_lm import load as load_model
     from tqdm import tqdm
@@ -368,6 +424,8 @@ def train(args):
     run = {k: getattr(args, k) for k in RUN_KEYS}
     if ckpt is not None:
         prev = json.loads((ckpt / "state.json").read_text()).get("run", {})
+        if args.steps == "auto":  # the step count the first run calibrated
+            args.steps = run["steps"] = prev.get("steps")
         changed = {k: (prev.get(k), run[k]) for k in RUN_KEYS if k != "steps" and prev.get(k) != run[k]}
         if changed:
             shown = ", ".join(f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in changed.items())
@@ -387,31 +445,17 @@ def train(args):
     corpus, chat = prepare_data(args, model, tokenizer, out)
     batch, n_rows, n_chat_rows = make_batches(args, corpus, chat)
 
-    mx.random.seed(args.seed)
-    net = A.Assistant(cfg)
-    opt = optim.AdamW(learning_rate=_schedule(args.lr, args.steps, args.warmup), weight_decay=0.0)
-    start, history = 0, []
+    if args.steps == "auto":
+        args.steps = run["steps"] = calibrate(args, cfg, target, batch)
+    net, opt, state, step_fn = make_trainer(args, cfg, target, ckpt)
+    start = 0
     if ckpt is not None:
-        state = load_checkpoint(ckpt, net, opt)
-        start = state["step"]
+        start = json.loads((ckpt / "state.json").read_text())["step"]
         print(f"resuming {out} at step {start}", file=sys.stderr)
-    else:
-        opt.init(net.trainable_parameters())
     n_params = sum(v.size for _, v in tree_flatten(net.parameters()))
     print(f"assistant: {cfg.num_layers} layer(s), {n_params / 1e6:.2f}M parameters, donors {cfg.donors} "
           f"(of {len(make_prompt_cache(model))} caches); {n_rows} text + {n_chat_rows} chat sequences "
           f"of {args.seq_len} tokens", file=sys.stderr)
-
-    value_grad = nn.value_and_grad(net, lambda n, *a: loss_fn(n, target, *a, args.draft_steps, args.feature_weight))
-
-    def update(h, emb, kv, p, top):
-        (loss, ces, accs), grads = value_grad(net, h, emb, kv, p, top)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt.update(net, grads)
-        return loss, ces, accs
-
-    state = [net.state, opt.state]
-    step_fn = mx.compile(update, inputs=state, outputs=state) if args.compile else update
 
     meta = lambda: {"run": run, "model": str(args.model), "data": str(args.data)}
     logf = open(out / LOG_FILE, "a")
@@ -497,7 +541,9 @@ def add_arguments(p):
     p.add_argument("--donors", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="Target cache index each drafter layer reads, comma separated. Default: the last "
                         "sliding-window and last full-attention layers (else the last layer).")
-    p.add_argument("--steps", type=int, default=2000, help="Training steps (sets the learning-rate schedule). Default: 2000.")
+    p.add_argument("--steps", type=_steps, default=2000,
+                   help="Training steps (sets the learning-rate schedule), or 'auto': as many as fit in "
+                        "--time-limit at the measured speed. Default: 2000.")
     p.add_argument("--batch-size", type=int, default=8, help="Sequences per step. Default: 8.")
     p.add_argument("--seq-len", type=int, default=256, help="Tokens per sequence. Default: 256.")
     p.add_argument("--draft-steps", type=int, default=3,
@@ -514,14 +560,28 @@ def add_arguments(p):
     p.add_argument("--save-every", type=int, default=200, help="Checkpoint every N steps (and every 2 minutes). Default: 200.")
     p.add_argument("--target-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="Cast the target's weights (e.g. bfloat16 on a GPU). Default: as loaded.")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="Do not mx.compile the training step.")
+    p.add_argument("--compile", dest="compile", action="store_true", default=None,
+                   help="mx.compile the training step. Default: on a GPU only (on the CPU it compiles for "
+                        "long and runs no faster).")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="Never mx.compile the training step.")
     p.add_argument("--restart", action="store_true", help="Discard a previous run in --out and start over.")
     p.add_argument("--quiet", action="store_true", help="No progress bars.")
 
 
+def _steps(value):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of steps or 'auto', got {value!r}") from None
+
+
 def _validate(args):
+    if args.steps == "auto" and not args.time_limit:
+        raise TrainError("--steps auto needs --time-limit SECONDS")
     for name in ("steps", "batch_size", "seq_len", "draft_steps", "save_every", "layers"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) != "auto" and getattr(args, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
     if args.seq_len < args.draft_steps + 2:
         raise TrainError("--seq-len must exceed --draft-steps + 1")

@@ -87,6 +87,8 @@ def test_changed_settings_and_bad_data_are_clear_errors(tiny_model, data, tmp_pa
     assert main(flags(model, binary, tmp_path / "c")) == 2
     assert "no readable text files" in capsys.readouterr().err
     assert main(flags(model, data, tmp_path / "d", "--seq-len", "2")) == 2
+    assert main(flags(model, data, tmp_path / "d", "--steps", "auto")) == 2
+    assert "--steps auto needs --time-limit" in capsys.readouterr().err
     # --restart discards the old run.
     assert main(flags(model, data, tmp_path / "a", "--seq-len", "16", "--stop-after", "1", "--restart")) == 0
     assert [r["step"] for r in records(tmp_path / "a")] == [1]
