@@ -40,21 +40,29 @@ class NGramCache(_BaseCache):
             toks.append(int(t))
             undo.append(changes)
 
-    def lookup(self, n_tokens):
-        """Continue the longest suffix seen before, copying what followed it."""
+    def match(self):
+        """``(n, start)``: the longest suffix seen before and where its
+        continuation starts, or ``(0, None)``."""
         toks = self.tokens
         size = len(toks)
         for n in range(min(self.n_max, size), self.n_min - 1, -1):
             start = self.index.get(tuple(toks[size - n :]))
-            if start is None:
-                continue
-            out = []
-            for k in range(n_tokens):
-                # Copy LZ77-style: a match running into the present repeats.
-                src = start + k
-                out.append(toks[src] if src < size else out[src - size])
-            return out
-        return []
+            if start is not None:
+                return n, start
+        return 0, None
+
+    def copy(self, start, n_tokens):
+        # Copy LZ77-style: a match running into the present repeats.
+        toks, size, out = self.tokens, len(self.tokens), []
+        for k in range(n_tokens):
+            src = start + k
+            out.append(toks[src] if src < size else out[src - size])
+        return out
+
+    def lookup(self, n_tokens):
+        """Continue the longest suffix seen before, copying what followed it."""
+        n, start = self.match()
+        return self.copy(start, n_tokens) if n else []
 
     # -- mlx-lm cache interface (trim, copy, size, save) -----------------------
     @property
@@ -112,7 +120,16 @@ class NGramCache(_BaseCache):
 
 
 class NGramDrafter(Drafter):
-    """Prompt-lookup drafter: longest n-gram match first, ``n_max`` down to ``n_min``."""
+    """Prompt-lookup drafter: longest n-gram match first, ``n_max`` down to ``n_min``.
+
+    Within a request it keeps, per match length, how often the first proposed
+    token was accepted; a length whose proposals fail more often than not
+    (after ``TRIALS`` tries) stops proposing: on open text, short matches
+    mostly guess wrong, and a wrong guess costs a wider verify forward.
+    """
+
+    TRIALS = 4
+    MIN_HIT = 0.34  # first-token acceptance below which a length is muted
 
     name = "ngram"
 
@@ -141,9 +158,19 @@ class NGramDrafter(Drafter):
         ctx.cache[0].extend(tokens)
 
     def draft(self, ctx, n):
-        return ctx.cache[0].lookup(n), None
+        cache = ctx.cache[0]
+        length, start = cache.match()
+        tries, hits = ctx.state.setdefault("hits", {}).get(length, (0, 0))
+        if not length or (tries >= self.TRIALS and hits < self.MIN_HIT * tries):
+            return [], None
+        ctx.state["length"] = length
+        return cache.copy(start, n), None
 
     def accept(self, ctx, tokens, n_drafted):
+        length = ctx.state.pop("length", 0)
+        if length:
+            tries, hits = ctx.state["hits"].get(length, (0, 0))
+            ctx.state["hits"][length] = (tries + 1, hits + (n_drafted > 0))
         ctx.cache[0].extend(tokens)
 
     def trim(self, ctx, n):

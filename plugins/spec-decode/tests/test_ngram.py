@@ -78,3 +78,20 @@ def test_drafter_validation_and_cache_check():
     assert d.cache_ok(d.make_cache())
     assert not d.cache_ok([])
     assert not d.cache_ok(NGramDrafter(n_max=4).make_cache())
+
+
+def test_match_length_that_keeps_failing_is_muted():
+    from mlx_lm_spec_decode import DraftContext
+
+    d = NGramDrafter(n_max=3, n_min=2)
+    ctx = DraftContext(None, [], d.make_cache())
+    d.prefill(ctx, [1, 2, 3, 9, 1, 2])  # "1 2" matched before: propose 3
+    for i in range(NGramDrafter.TRIALS):
+        assert ctx.cache[0].match()[0] == 2
+        tokens, _ = d.draft(ctx, 2)
+        assert tokens == ([3, 9] if i == 0 else [20 + i - 1, 1])
+        d.accept(ctx, [20 + i, 1, 2], 0)  # rejected: the target said 20+i
+    assert ctx.cache[0].match()[0] == 2
+    assert d.draft(ctx, 2) == ([], None)  # bigram matches muted for this request
+    fresh = DraftContext(None, [], ctx.cache)  # a new request starts afresh
+    assert d.draft(fresh, 2)[0]
