@@ -164,7 +164,14 @@ def speculative_generate_step(
     )
     st = stats_mod.SpecStats(drafter.name, gamma_start=ctl.gamma, gamma=ctl.gamma)
     stats_mod.start(st)
-    quantize = lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits)
+
+    def quantize(caches):
+        maybe_quantize_kv_cache(caches, quantized_kv_start, kv_group_size, kv_bits)
+        if kv_bits is not None:
+            # The caller's list must see the quantized caches (mlx-lm's own
+            # loop quantizes a slice copy, and the server stores stale ones).
+            prompt_cache[:n_t] = caches
+
     context = list(tokens) if logits_processors else None
     match_checked = False
 

@@ -224,3 +224,20 @@ def test_gamma_adapts_and_auto_off_switches(tiny_llama, repetitive_prompt):
     s = last_stats()
     # Verifying 9 tokens to keep 1 is slower than one plain step, even tiny.
     assert s.auto_off and s.forwards < 60 + 1
+
+
+def test_kv_quantization_switches_where_plain_decoding_does(tiny_model, repetitive_prompt):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    model, tok = load(str(tiny_model("llama", head_dim=32)))  # quantizable by groups of 32
+    prompt = repetitive_prompt(tok)
+    start = prompt.size + 5
+    kw = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=start)
+    ref = [int(t) for t, _ in zip((t for t, _ in generate_step(prompt, model, max_tokens=20, **kw)), range(20))]
+    drafter = NGramDrafter(n_min=1)
+    cache = make_prompt_cache(model) + drafter.make_cache()
+    out = spec(model, drafter, prompt, 20, k=4, cache=cache, **kw)
+    assert out == ref
+    n_t = n_target_caches(model)
+    assert all(isinstance(c, QuantizedKVCache) for c in cache[:n_t])  # the caller's list
+    assert cache[0].offset == prompt.size + 20
