@@ -111,6 +111,7 @@ def linear_cross_entropy(
     block_skip_eps=None,
     with_grad=True,
     min_flash_elements=None,
+    dequantize=None,
     train=None,
 ):
     """Cross-entropy of ``head(hidden)`` against ``targets`` without ``[N, V]`` logits.
@@ -178,6 +179,7 @@ def linear_cross_entropy(
             with_grad=with_grad,
             filter_eps=filter_eps,
             block_skip_eps=block_skip_eps,
+            dequantize=dequantize,
         )
         ce = backends.resolve(backend, spec, opts)(spec, h, t, opts, train)
 

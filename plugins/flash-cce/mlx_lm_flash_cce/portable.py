@@ -41,6 +41,7 @@ class Options(NamedTuple):
     filter_eps: Optional[float] = None  # skip 64x64 gradient tiles below eps
     block_skip_eps: Optional[float] = None  # skip 64-wide vocab blocks below eps
     compute_dtype: Optional[mx.Dtype] = None  # None: float32 on CPU, input dtype on GPU
+    dequantize: Optional[bool] = None  # quantized heads: dense blocks (None: on the CPU)
 
 
 class _Static(NamedTuple):
@@ -63,6 +64,7 @@ class _Static(NamedTuple):
     filter_eps: Optional[float]
     block_skip_eps: Optional[float]
     compute_dtype: mx.Dtype
+    dequantize: bool
 
 
 def vocab_chunk_for(opts, n_tokens, vocab):
@@ -181,9 +183,27 @@ def _head(st):
     return _heads.Head(kind=st.kind, group_size=st.group_size, bits=st.bits, mode=st.mode)
 
 
-def _raw_logits(st, arrays, hc, uc, v0, v1):
+def _block(st, arrays, v0, v1):
+    """Head rows ``[v0, v1)`` as the block's matmuls want them.
+
+    Dense rows are cast to the compute dtype once per block. Quantized rows
+    are dequantized to a dense block when ``st.dequantize`` (the CPU: MLX's
+    CPU quantized_matmul is ~10x slower than a float32 BLAS matmul), else
+    kept packed for ``quantized_matmul``.
+    """
     head = _head(st)
-    r = _heads.matmul_rows(head, hc, arrays, v0, v1).astype(mx.float32)
+    if st.kind == "dense":
+        return arrays["weight"][v0:v1].astype(st.compute_dtype)
+    if st.dequantize:
+        return _heads.gather_rows(head, arrays, slice(v0, v1), st.compute_dtype)
+    return None  # sliced inside matmul_rows
+
+
+def _raw_logits(st, arrays, blk, hc, uc, v0, v1):
+    if blk is not None:
+        r = (hc @ blk.T).astype(mx.float32)
+    else:
+        r = _heads.matmul_rows(_head(st), hc, arrays, v0, v1).astype(mx.float32)
     if "bias" in arrays:
         r = r + arrays["bias"][v0:v1].astype(mx.float32)
     if st.has_lora:
@@ -191,19 +211,20 @@ def _raw_logits(st, arrays, hc, uc, v0, v1):
     return r
 
 
-def _back_rows(st, arrays, coef, v0, v1, cd, probe):
+def _back_rows(st, arrays, blk, coef, v0, v1, probe):
     """``coef @ W[v0:v1]``: a coefficient block times the head rows.
 
     ``probe`` is the block's |softmax coefficient| estimate, which the
-    optional filters compare with their eps (dense heads only: MLX has no
+    optional filters compare with their eps (dense blocks only: MLX has no
     block-masked quantized matmul).
     """
-    head = _head(st)
-    mask = _filter_mask(probe, st) if st.kind == "dense" else None
+    cd = st.compute_dtype
+    mask = _filter_mask(probe, st) if blk is not None and probe is not None else None
     if mask is not None:
-        w = arrays["weight"][v0:v1].astype(cd)
-        return mx.block_masked_mm(coef.astype(cd), w, FILTER_BLOCK, mask_lhs=mask).astype(mx.float32)
-    return _heads.matmul_rows(head, coef.astype(cd), arrays, v0, v1, transpose=False).astype(mx.float32)
+        return mx.block_masked_mm(coef.astype(cd), blk, FILTER_BLOCK, mask_lhs=mask).astype(mx.float32)
+    if blk is not None:
+        return (coef.astype(cd) @ blk).astype(mx.float32)
+    return _heads.matmul_rows(_head(st), coef.astype(cd), arrays, v0, v1, transpose=False).astype(mx.float32)
 
 
 def _target_terms(st, arrays, hc, uc, tc):
@@ -239,7 +260,8 @@ def _forward(st, h, t, u, arrays):
         for v0 in range(0, vocab, vc):
             v1 = min(v0 + vc, vocab)
             x = mx.depends(hc, gate) if gate else hc
-            r = _raw_logits(st, arrays, x, uc, v0, v1)
+            blk = _block(st, arrays, v0, v1)
+            r = _raw_logits(st, arrays, blk, x, uc, v0, v1)
             if st.with_grad:
                 m_new, a, l, coef = step(r, m, l)
                 probe = None
@@ -247,7 +269,7 @@ def _forward(st, h, t, u, arrays):
                     # e / l only shrinks as later blocks add to l: an upper
                     # bound on the final probability.
                     probe = mx.abs(coef) * (1 / l)[:, None]
-                g = g * a[:, None] + _back_rows(st, arrays, coef, v0, v1, cd, probe)
+                g = g * a[:, None] + _back_rows(st, arrays, blk, coef, v0, v1, probe)
                 deps = [g]
                 if st.has_lora:
                     gu = gu * a[:, None] + coef @ arrays["lora_b"][v0:v1].astype(mx.float32)
@@ -314,7 +336,8 @@ def _sweep(st, h, t, u, arrays, lse, dce, need_dh):
         for k, v0 in enumerate(range(0, vocab, vc)):
             v1 = min(v0 + vc, vocab)
             x = mx.depends(hc, gate) if gate else hc
-            r = _raw_logits(st, arrays, x, uc, v0, v1)
+            blk = _block(st, arrays, v0, v1)
+            r = _raw_logits(st, arrays, blk, x, uc, v0, v1)
             coef, probe = grad_coef(r, shift, scale, tc - v0)
             if st.filter_eps is None and st.block_skip_eps is None:
                 probe = None
@@ -328,7 +351,7 @@ def _sweep(st, h, t, u, arrays, lse, dce, need_dh):
                 acc[k] = part if acc[k] is None else acc[k] + part
             gate = [] if part is None else [acc[k]]
             if need_dh:
-                dh = dh + _back_rows(st, arrays, coef, v0, v1, cd, probe)
+                dh = dh + _back_rows(st, arrays, blk, coef, v0, v1, probe)
                 gate.append(dh)
                 if st.has_lora:
                     du = du + coef @ arrays["lora_b"][v0:v1].astype(mx.float32)
@@ -419,6 +442,7 @@ def per_token(head, hidden, targets, opts, train=None):
         filter_eps=opts.filter_eps,
         block_skip_eps=opts.block_skip_eps,
         compute_dtype=_compute_dtype(opts, hidden.dtype),
+        dequantize=(mx.default_device() == mx.cpu) if opts.dequantize is None else bool(opts.dequantize),
     )
     u = _heads.lora_input(head, hidden) if head.has_lora else mx.zeros((n_tok, 0), dtype=hidden.dtype)
     return _core(st)(hidden, targets, u, *values)[0]

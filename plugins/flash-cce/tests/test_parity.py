@@ -173,7 +173,10 @@ HEADS = [
 
 @pytest.mark.parametrize("kind", HEADS)
 @pytest.mark.parametrize("n", [2, 3, N])
-def test_heads_match_stock(kind, n):
+@pytest.mark.parametrize("dequantize", [True, False])
+def test_heads_match_stock(kind, n, dequantize):
+    if dequantize and "q" not in kind:
+        pytest.skip("dequantize only changes quantized heads")
     layer = _layer(kind)
     module = _module(layer)
     k1, k2 = mx.random.split(mx.random.key(4))
@@ -181,7 +184,9 @@ def test_heads_match_stock(kind, n):
     targets = mx.random.randint(0, V, (n,), key=k2)
 
     def ours(x):
-        return linear_cross_entropy(x, layer, targets, impl="auto", min_flash_elements=0, softcap=6.0, **SMALL)
+        return linear_cross_entropy(
+            x, layer, targets, impl="auto", min_flash_elements=0, softcap=6.0, dequantize=dequantize, **SMALL
+        )
 
     def stock(x):
         return stock_ce(layer(x), targets, softcap=6.0).mean()

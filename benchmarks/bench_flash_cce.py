@@ -1,0 +1,360 @@
+"""flash-cce vs mlx-lm's stock loss: peak memory and time, in one run.
+
+Sections (pick with flags; default: --heads):
+
+--heads       loss + hidden-state gradient of the loss head alone (frozen
+              head, as in LoRA training) at (N, V) = (2048, 49152),
+              (8192, 151936), (8192, 262144). Peak memory is
+              ``mx.get_peak_memory()`` after ``mx.reset_peak_memory()``, minus
+              the memory held before the call (hidden, head, targets), so it
+              is the loss head's own working memory.
+--step        one whole `mlx_lm.lora`-style training step (the trainer's
+              compiled step, LoRA, Adam) on the real SmolLM2-135M with each
+              loss, each in a fresh process.
+--crossover   loss + gradient time for short inputs: where the stock-style
+              head stops being faster (sets api.MIN_FLASH_ELEMENTS).
+--filters     gradient error and time of the approximate options
+              (filter_eps, block_skip_eps) on hidden states of real text
+              from SmolLM2-135M (float32, dense tied head).
+
+CPU sizes: the issue's H (576 / 2048 / 2560) and N = 8192 take tens of
+minutes per run on a 2-core CPU, and the stock loss at N = 8192 needs 19 GB
+(float32) or ~10 GB (bf16) there, so on the CPU the defaults shrink H to 256
+and N to 2048 / 1024 for the two large vocabularies (``--cpu-full`` keeps
+the issue's sizes). On a GPU the issue's sizes are used. Every row says
+which N and H it ran.
+
+    flock /tmp/mlx-lm-ext-heavy.lock env LD_PRELOAD=.../libopenblas.so.0 \\
+        python benchmarks/bench_flash_cce.py --heads --step --crossover --filters
+"""
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ISSUE_SHAPES = [(2048, 49152, 576), (8192, 151936, 2048), (8192, 262144, 2560)]
+CPU_SHAPES = [(2048, 49152, 576), (2048, 151936, 256), (1024, 262144, 256)]
+
+
+def on_gpu():
+    return mx.default_device() == mx.gpu
+
+
+def _sync():
+    mx.synchronize()
+
+
+def measure(fn, args, repeats, warmup):
+    """(min seconds, peak bytes above the inputs) of ``value_and_grad(fn)(*args)``."""
+    vg = mx.value_and_grad(fn)
+    mx.eval(args)
+    _sync()
+    times, peaks = [], []
+    for i in range(warmup + repeats):
+        gc.collect()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        loss, grad = vg(*args)
+        mx.eval(loss, grad)
+        _sync()
+        dt = time.perf_counter() - tic
+        peak = mx.get_peak_memory() - base
+        value = loss.item()
+        del loss, grad
+        if i >= warmup:
+            times.append(dt)
+            peaks.append(peak)
+    return min(times), max(peaks), value
+
+
+def head_case(n, v, h, dtype, quantized, seed=0):
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    hidden = mx.random.normal((n, h), key=k1).astype(dtype)
+    weight = (mx.random.normal((v, h), key=k2) / h**0.5).astype(dtype)
+    targets = mx.random.randint(0, v, (n,), key=k3)
+    if quantized:
+        layer = nn.QuantizedLinear(h, v, bias=False, group_size=64, bits=4)
+        layer.weight, layer.scales, layer.biases = mx.quantize(weight, group_size=64, bits=4)
+        head = layer
+    else:
+        head = weight
+    mx.eval(hidden, head.parameters() if quantized else head, targets)
+    return hidden, head, targets
+
+
+def run_heads(a, rows):
+    from mlx_lm_flash_cce import linear_cross_entropy
+
+    shapes = ISSUE_SHAPES if (on_gpu() or a.cpu_full) else CPU_SHAPES
+    if a.shapes:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes]
+    dtype = getattr(mx, a.dtype)
+    for n, v, h in shapes:
+        hidden, head, targets = head_case(n, v, h, dtype, a.quantized)
+        call = head if not a.quantized else head
+
+        def stock(x):
+            logits = call(x) if a.quantized else x @ head.T
+            return nn.losses.cross_entropy(logits, targets).astype(mx.float32).mean()
+
+        opts = json.loads(a.flash_opts) if a.flash_opts else {}
+
+        def flash(x):
+            return linear_cross_entropy(x, head, targets, impl="flash", **opts)
+
+        result = {"N": n, "V": v, "H": h, "dtype": a.dtype, "head": "q4" if a.quantized else "dense",
+                  "device": str(mx.default_device()), "opts": opts}
+        stock_bytes = 4 * n * v * dtype.size
+        if stock_bytes > a.max_stock_bytes:
+            result["stock"] = None
+            print(f"  skip stock at N={n} V={v}: needs ~{stock_bytes / 2**30:.1f} GiB", flush=True)
+        else:
+            result["stock"] = measure(stock, [hidden], a.repeats, a.warmup)
+        old_limit = None
+        if a.memory_limit_mib:
+            # MLX waits for queued work once active memory passes the limit:
+            # on a GPU this is what keeps asynchronous evaluation bounded.
+            old_limit = mx.set_memory_limit(mx.get_active_memory() + int(a.memory_limit_mib * 2**20))
+            result["memory_limit_mib"] = a.memory_limit_mib
+        try:
+            result["flash"] = measure(flash, [hidden], a.repeats, a.warmup)
+        finally:
+            if old_limit is not None:
+                mx.set_memory_limit(old_limit)
+        rows.append(result)
+        print_heads([result], header=len(rows) == 1)
+        del hidden, head, targets
+        gc.collect()
+        mx.clear_cache()
+
+
+def _mib(b):
+    return f"{b / 2**20:9.1f}"
+
+
+def print_heads(rows, header=True):
+    if header:
+        print(
+            f"{'N':>6} {'V':>7} {'H':>5} {'dtype':>8} {'head':>5} | {'stock s':>8} {'flash s':>8} {'time x':>6} | "
+            f"{'stock MiB':>9} {'flash MiB':>9} {'mem ÷':>7} | loss stock / flash"
+        )
+    for r in rows:
+        f_t, f_m, f_l = r["flash"]
+        if r["stock"] is None:
+            s = f"{'-':>8} {f_t:8.3f} {'-':>6} | {'-':>9} {_mib(f_m)} {'-':>7} | - / {f_l:.5f}"
+        else:
+            s_t, s_m, s_l = r["stock"]
+            s = (f"{s_t:8.3f} {f_t:8.3f} {f_t / s_t:6.2f} | {_mib(s_m)} {_mib(f_m)} {s_m / max(f_m, 1):7.1f} | "
+                 f"{s_l:.5f} / {f_l:.5f}")
+        print(f"{r['N']:>6} {r['V']:>7} {r['H']:>5} {r['dtype']:>8} {r['head']:>5} | {s}", flush=True)
+
+
+# ------------------------------------------------------------- crossover
+
+
+def run_crossover(a, rows):
+    from mlx_lm_flash_cce import linear_cross_entropy
+
+    v, h = 49152, 576
+    dtype = getattr(mx, a.dtype)
+    print(f"\ncrossover: V={v} H={h} {a.dtype}; loss+grad seconds (min of {a.repeats})")
+    print(f"{'N':>6} {'N*V':>10} | {'stock s':>8} {'flash s':>8} {'time x':>6}")
+    for n in a.crossover_n:
+        hidden, head, targets = head_case(n, v, h, dtype, False)
+        stock = lambda x: nn.losses.cross_entropy(x @ head.T, targets).astype(mx.float32).mean()
+        flash = lambda x: linear_cross_entropy(x, head, targets, impl="flash")
+        s = measure(stock, [hidden], a.repeats, 1)
+        f = measure(flash, [hidden], a.repeats, 1)
+        rows.append({"N": n, "V": v, "H": h, "stock": s, "flash": f})
+        print(f"{n:>6} {n * v:>10} | {s[0]:8.4f} {f[0]:8.4f} {f[0] / s[0]:6.2f}", flush=True)
+
+
+# ---------------------------------------------------------------- filters
+
+
+def real_hidden(model_name, n_tokens):
+    """Final hidden states of SmolLM2 on real text, its head, and the targets."""
+    import sysconfig
+    from pathlib import Path
+
+    from mlx_lm import load
+    from mlx_lm_ext import models
+
+    model, tok = load(str(models.build(model_name, progress=False)))
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
+    ids = tok.encode(text)[: n_tokens + 1]
+    x = mx.array(ids)[None]
+    hidden = model.model(x[:, :-1])[0]
+    mx.eval(hidden)
+    return model, hidden, x[0, 1:]
+
+
+def run_filters(a, rows):
+    from mlx_lm_flash_cce import linear_cross_entropy
+
+    model, hidden, targets = real_hidden("smollm2-135m-f32", a.filter_tokens)
+    head = model.model.embed_tokens.as_linear
+    print(f"\nfilters: SmolLM2-135M float32, {targets.size} tokens of real text (CPython LICENSE), V=49152")
+    print(f"{'option':>22} | {'seconds':>8} {'time x':>6} | {'max |dh err| / max |dh|':>24} {'rel. L2 err':>11}")
+    exact = measure(lambda x: linear_cross_entropy(x, head, targets, impl="flash"), [hidden], a.repeats, 1)
+    g_exact = mx.grad(lambda x: linear_cross_entropy(x, head, targets, impl="flash"))(hidden)
+    mx.eval(g_exact)
+    print(f"{'exact':>22} | {exact[0]:8.3f} {1.0:6.2f} | {0.0:24.2e} {0.0:11.2e}", flush=True)
+    for key in ("filter_eps", "block_skip_eps"):
+        for eps in a.filter_eps:
+            fn = lambda x: linear_cross_entropy(x, head, targets, impl="flash", **{key: eps})
+            m = measure(fn, [hidden], a.repeats, 1)
+            g = mx.grad(fn)(hidden)
+            err = (mx.abs(g - g_exact).max() / mx.abs(g_exact).max()).item()
+            l2 = (mx.sqrt(((g - g_exact) ** 2).sum()) / mx.sqrt((g_exact**2).sum())).item()
+            rows.append({"option": key, "eps": eps, "seconds": m[0], "exact_seconds": exact[0], "max_err": err, "l2_err": l2})
+            print(f"{key + '=' + format(eps, 'g'):>22} | {m[0]:8.3f} {m[0] / exact[0]:6.2f} | {err:24.2e} {l2:11.2e}", flush=True)
+
+
+# -------------------------------------------------------------- lora step
+
+
+def one_step(loss_name, model_name, batch, seq, layers, steps):
+    """Run in a fresh process: time and peak memory of the trainer's compiled step."""
+    from functools import partial
+
+    import mlx.optimizers as optim
+    from mlx_lm import load
+    from mlx_lm.tuner.trainer import default_loss
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm_ext import models
+
+    from mlx_lm_flash_cce import make_loss
+
+    model, tok = load(str(models.build(model_name, progress=False)))
+    model.freeze()
+    mx.random.seed(0)
+    linear_to_lora_layers(model, layers, {"rank": 8, "scale": 20.0, "dropout": 0.0})
+    loss = default_loss if loss_name == "default" else make_loss(model, verbose=False)
+    import sysconfig
+    from pathlib import Path
+
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
+    ids = tok.encode(text)
+    rows = [ids[i * seq : (i + 1) * seq + 1] for i in range(batch)]
+    data = mx.array(rows)
+    lengths = mx.array([[0, seq]] * batch)
+    opt = optim.Adam(learning_rate=1e-5)
+    lvg = nn.value_and_grad(model, loss)
+    state = [model.state, opt.state, mx.random.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(data, lengths):
+        (lvalue, toks), grad = lvg(model, data, lengths)
+        opt.update(model, grad)
+        return lvalue, toks
+
+    model.train()
+    out = []
+    for i in range(steps + 1):  # the first step compiles
+        gc.collect()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        lvalue, toks = step(data, lengths)
+        mx.eval(state, lvalue, toks)
+        _sync()
+        out.append((time.perf_counter() - tic, mx.get_peak_memory() - base, mx.get_peak_memory(), lvalue.item()))
+    return {"loss": loss_name, "first": out[0], "steps": out[1:]}
+
+
+def run_step(a, rows):
+    print(f"\nlora step: {a.step_model}, batch {a.step_batch} x {a.step_seq} tokens, LoRA on {a.step_layers} layers, "
+          f"compiled trainer step, fresh process per loss (min of {a.step_repeats} after a compiling step)")
+    print(f"{'loss':>10} | {'step s':>8} | {'peak MiB above weights':>22} {'process peak MiB':>16} | loss")
+    results = {}
+    for loss_name in ("default", "flash-cce"):
+        cmd = [sys.executable, __file__, "--_one-step", loss_name, "--step-model", a.step_model,
+               "--step-batch", str(a.step_batch), "--step-seq", str(a.step_seq),
+               "--step-layers", str(a.step_layers), "--step-repeats", str(a.step_repeats)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stderr[-2000:])
+            raise SystemExit(f"step with {loss_name} failed")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[loss_name] = r
+        best = min(r["steps"], key=lambda s: s[0])
+        peak = max(s[1] for s in r["steps"])
+        total = max(s[2] for s in r["steps"])
+        print(f"{loss_name:>10} | {best[0]:8.2f} | {_mib(peak):>22} {_mib(total):>16} | {best[3]:.5f}", flush=True)
+    d, f = results["default"], results["flash-cce"]
+    dt = min(s[0] for s in f["steps"]) / min(s[0] for s in d["steps"])
+    dm = max(s[1] for s in d["steps"]) / max(max(s[1] for s in f["steps"]), 1)
+    print(f"{'ratio':>10} | {dt:8.2f}x time | {dm:.1f}x less peak memory above the weights")
+    rows.append(results)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", action="store_true")
+    p.add_argument("--step", action="store_true")
+    p.add_argument("--crossover", action="store_true")
+    p.add_argument("--filters", action="store_true")
+    p.add_argument("--shapes", nargs="*", help="NxVxH triples, e.g. 2048x49152x576")
+    p.add_argument("--cpu-full", action="store_true", help="the issue's N and H on the CPU too")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument("--quantized", action="store_true", help="4-bit head (group 64) instead of a dense one")
+    p.add_argument("--flash-opts", default=None, help="JSON options for linear_cross_entropy")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default: 1 on GPU, 0 on CPU)")
+    p.add_argument("--max-stock-bytes", type=float, default=6e9,
+                   help="skip the stock loss where its logits x4 exceed this (default 6e9)")
+    p.add_argument("--memory-limit-mib", type=float, default=None,
+                   help="during flash runs, mx.set_memory_limit(inputs + this many MiB)")
+    p.add_argument("--crossover-n", type=int, nargs="*", default=[8, 16, 32, 64, 128, 256, 512])
+    p.add_argument("--filter-tokens", type=int, default=512)
+    p.add_argument("--filter-eps", type=float, nargs="*", default=[1e-6, 1e-5, 1e-4])
+    p.add_argument("--step-model", default="smollm2-135m")
+    p.add_argument("--step-batch", type=int, default=4)
+    p.add_argument("--step-seq", type=int, default=512)
+    p.add_argument("--step-layers", type=int, default=4)
+    p.add_argument("--step-repeats", type=int, default=1)
+    p.add_argument("--json", default=None, help="write all results here")
+    p.add_argument("--_one-step", dest="one_step", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one_step:
+        r = one_step(a.one_step, a.step_model, a.step_batch, a.step_seq, a.step_layers, a.step_repeats)
+        print(json.dumps(r))
+        return
+    a.dtype = a.dtype or ("bfloat16" if on_gpu() else "float32")
+    a.warmup = a.warmup if a.warmup is not None else (1 if on_gpu() else 0)
+    if not (a.heads or a.step or a.crossover or a.filters):
+        a.heads = True
+    blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled BLAS"
+    print(f"mlx {mx.__version__}, device {mx.default_device()}"
+          + (f" ({blas})" if not on_gpu() else "") + f", dtype {a.dtype}, min of {a.repeats} runs")
+    results = {}
+    if a.heads:
+        results["heads"] = []
+        run_heads(a, results["heads"])
+    if a.crossover:
+        results["crossover"] = []
+        run_crossover(a, results["crossover"])
+    if a.filters:
+        results["filters"] = []
+        run_filters(a, results["filters"])
+    if a.step:
+        results["step"] = []
+        run_step(a, results["step"])
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
