@@ -175,6 +175,23 @@ def ttft_and_throughput(model, tok, key, work, n_tokens, repeats):
     return prompt + [tok0], cache
 
 
+def synthetic_cache(model, n):
+    """A prompt cache with the model's KV shapes holding ``n`` random tokens."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    probe = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2]]), cache=probe))
+    out = []
+    for c in probe:
+        b, h, _, d = c.keys.shape
+        k = mx.random.normal((b, h, n, d)).astype(c.keys.dtype)
+        fresh = KVCache()
+        fresh.update_and_fetch(k, k)
+        out.append(fresh)
+    mx.eval([c.state for c in out])
+    return out
+
+
 def decode_latencies(model, prompt_cache_obj, big_cache, big_tokens, key, n, every, short_prompt):
     """Per-token seconds of a greedy decode; every ``every`` tokens the loop
     inserts the big cache (under a new key) into ``prompt_cache_obj``."""
@@ -242,6 +259,7 @@ def main():
     p.add_argument("--itl-tokens", type=int, default=150, help="decoded tokens per ITL round")
     p.add_argument("--every", type=int, default=10, help="insert a big cache every N tokens")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", choices=["ttft", "itl"], default=None, help="run one part")
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir on /tmp's disk)")
     p.add_argument("--model", default=None, help="model folder (default: smollm2-135m-f32)")
     args = p.parse_args()
@@ -258,8 +276,13 @@ def main():
     print(f"model {path} ({blas}); mlx {mx.__version__}")
     with tempfile.TemporaryDirectory(dir=args.dir or "/var/tmp") as d:
         work = Path(d)
-        prompt, big = ttft_and_throughput(model, tok, key, work, args.tokens, args.repeats)
-        itl(model, tok, key, work, big, prompt, args.itl_tokens, args.every, args.rounds)
+        if args.only != "itl":
+            prompt, big = ttft_and_throughput(model, tok, key, work, args.tokens, args.repeats)
+        else:  # the same bytes without the long prefill
+            prompt = list(range(1000, 1000 + args.tokens + 1))
+            big = synthetic_cache(model, args.tokens + 1)
+        if args.only != "ttft":
+            itl(model, tok, key, work, big, prompt, args.itl_tokens, args.every, args.rounds)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ log = logging.getLogger("mlx_lm_ssd_cache")
 TMP_SUFFIX = ".tmp"
 TMP_MAX_AGE = 3600.0  # a .tmp older than this is reaped even if its writer lives
 RESCAN_INTERVAL = 30.0  # pick up entries other servers wrote into our directory
+# Writes are spread at this rate (bytes/s) unless a flush waits for them:
+# a burst of copying competes with decode for memory bandwidth and CPU.
+WRITE_RATE = 256 << 20
 HOST = socket.gethostname()
 INFO = "fingerprint.json"
 
@@ -79,6 +82,7 @@ class DiskTier:
         settings=None,
         block=32,
         max_pending_bytes=4 << 30,
+        write_rate=WRITE_RATE,
         identify=identity.identify,
     ):
         self.root = Path(directory).expanduser()
@@ -87,13 +91,17 @@ class DiskTier:
         self.settings = dict(settings or {})
         self.block = block
         self.max_pending_bytes = max_pending_bytes
+        self.write_rate = write_rate
+        self._flushing = 0  # flushes waiting: write at full speed
         self._identify = identify
         self._spaces = {}  # model key -> Space, or None when it has no disk tier
         self._space_lock = threading.Lock()  # one identification + scan at a time
         # Held by a scan and around each rename or removal, so that a scan
         # never misses a file that the writer is about to index.
         self._dir_lock = threading.RLock()
-        self._lock = threading.Lock()  # index, pending, counters
+        # Index, pending writes, counters. Re-entrant: a SIGTERM flush may run
+        # on a thread that was interrupted inside the tier (Python API use).
+        self._lock = threading.RLock()
         self._jobs = deque()
         self._wake = threading.Condition(self._lock)
         self._busy = False
@@ -224,6 +232,9 @@ class DiskTier:
             raise fileformat.Corrupt("entry of another fingerprint or namespace")
         if entry_name(space.namespace, header.tokens) != name:
             raise fileformat.Corrupt("file name does not match its tokens")
+        expected = space.info.get("n_caches")
+        if expected is not None and len(json.loads(meta["spec"])) != expected:
+            raise fileformat.Corrupt("cache count differs from the model's layout")
 
     def _remove_corrupt(self, path, why):
         self._warn("corrupt", f"removed corrupt entry {path}: {why}")
@@ -319,6 +330,7 @@ class DiskTier:
             self._forget(space, entry.name)
             self._warn("vanished", f"entry {path} vanished (removed by another process?)")
         except OSError as e:
+            self._forget(space, entry.name)  # until a rescan finds it readable
             self._warn("read: " + _kind(e), f"cannot read {path}: {e}")
         return None
 
@@ -348,6 +360,14 @@ class DiskTier:
         tokens = np.asarray(tokens, dtype=np.int64)
         if self._known(space, entry_name(space.namespace, tokens), touch):
             return  # e.g. an eviction of an entry written at insert
+        expected = space.info.get("n_caches")
+        if expected is not None and len(prompt_cache) != expected:
+            # e.g. a plugin drafter's caches appended to the model's: a
+            # restore into a server without that drafter would be wrong.
+            log.debug("ssd-cache: not stored: %d caches, the model has %d",
+                      len(prompt_cache), expected)
+            self._count(skipped=1)
+            return
         try:
             snap = fileformat.snapshot(prompt_cache)
         except fileformat.Unsupported as e:
@@ -494,10 +514,25 @@ class DiskTier:
         try:
             space.path.mkdir(parents=True, exist_ok=True)
             self._write_info(space)
-            return tmp, fileformat.write(tmp, snap, meta)
+            return tmp, fileformat.write(tmp, snap, meta, pace=self._pacer())
         except OSError as e:
             self._write_failed(space, tmp, e)
             return None
+
+    def _pacer(self):
+        """Sleep between pieces so that a write runs at ``write_rate``."""
+        if not self.write_rate:
+            return None
+        t0, done = time.monotonic(), 0
+
+        def pace(n):
+            nonlocal done
+            done += n
+            ahead = done / self.write_rate - (time.monotonic() - t0)
+            if ahead > 0.002 and not self._flushing and not self._closed:
+                time.sleep(min(ahead, 0.1))
+
+        return pace
 
     def _rename(self, space, entry, done):
         tmp, size = done
@@ -590,13 +625,17 @@ class DiskTier:
         """Wait until every handed-over write is on disk. True if it is."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._wake:
-            while self._jobs or self._busy:
-                if self._writer is None or not self._writer.is_alive():
-                    return not self._jobs
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._wake.wait(left)
+            self._flushing += 1
+            try:
+                while self._jobs or self._busy:
+                    if self._writer is None or not self._writer.is_alive():
+                        return not self._jobs
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._wake.wait(left)
+            finally:
+                self._flushing -= 1
         return True
 
     def close(self, timeout=None):

@@ -224,13 +224,14 @@ def _header_bytes(meta, tensors):
     return raw + b" " * (-len(raw) % 8)  # 8-byte aligned data, as safetensors does
 
 
-def write(tmp_path, snap, meta):
+def write(tmp_path, snap, meta, pace=None):
     """Write ``snap`` to ``tmp_path`` (created exclusively) and fsync it.
 
     ``meta`` are the entry's string fields; the per-tensor CRCs and the header
     hash are added here. The header has a fixed size, so it is written after
     the data, whose CRCs are taken while streaming: one pass over the bytes.
-    Returns the file size.
+    ``pace(n)`` is called after each piece of ``n`` bytes (to spread the
+    write over time). Returns the file size.
     """
     tensors, offset = {}, 0
     for i, (a, st) in enumerate(zip(snap.arrays, snap.dtypes)):
@@ -255,6 +256,8 @@ def write(tmp_path, snap, meta):
             for chunk in _chunks(a):
                 crc = zlib.crc32(chunk, crc)
                 f.write(chunk)
+                if pace is not None:
+                    pace(len(chunk))
             crcs.append(f"{crc:08x}")
         meta["tensor_crc32"] = json.dumps(crcs)
         meta["header_sha256"] = _header_hash(meta, tensors)

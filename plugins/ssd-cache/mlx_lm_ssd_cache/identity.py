@@ -113,7 +113,8 @@ def describe_layout(caches):
 
 
 def layout(path):
-    """The cache layout of the architecture in ``path``, without its weights.
+    """``(text, n)``: the cache layout of the architecture in ``path`` and its
+    number of caches (None when unknown), without loading the weights.
 
     The model is built from its config with lazy random parameters that are
     never evaluated, so this costs no memory, then asked for its cache.
@@ -124,13 +125,13 @@ def layout(path):
     config = load_config(Path(path))
     if config.get("model_file"):
         code = (Path(path) / config["model_file"]).read_bytes()
-        return "custom:" + hashlib.sha256(code).hexdigest()[:16]
+        return "custom:" + hashlib.sha256(code).hexdigest()[:16], None
     try:
         model_class, args_class = _get_classes(config)
-        model = model_class(args_class.from_dict(config))
-        return describe_layout(make_prompt_cache(model))
+        caches = make_prompt_cache(model_class(args_class.from_dict(config)))
+        return describe_layout(caches), len(caches)
     except Exception as e:  # an architecture that needs more than its config
-        return f"unknown:{type(e).__name__}"
+        return f"unknown:{type(e).__name__}", None
 
 
 def versions():
@@ -164,11 +165,12 @@ def identify(model_key, settings=None):
     """
     model, adapter, draft = split_key(model_key)
     path = resolve(model)
+    text, n_caches = layout(path)
     info = {
         "model": str(model),
         "path": str(path),
         "weights": files_identity(path),
-        "layout": layout(path),
+        "layout": text,
         "settings": dict(sorted((settings or {}).items())),
         **versions(),
     }
@@ -181,9 +183,12 @@ def identify(model_key, settings=None):
     if draft is not None:
         dpath = resolve(draft)
         extra["draft"] = files_identity(dpath)
-        extra["draft_layout"] = layout(dpath)
+        extra["draft_layout"], n_draft = layout(dpath)
+        # mlx-lm appends the draft model's caches to the same list
+        n_caches = None if n_caches is None or n_draft is None else n_caches + n_draft
     namespace = "base" if not extra else "ns-" + _hash(extra, 16)
     info["namespace"] = {"adapter": adapter, "draft": draft, **extra}
+    info["n_caches"] = n_caches
     # The resolved path is informative only: a copied model dir keeps its entries.
-    ident = {k: v for k, v in info.items() if k not in ("path", "model", "namespace")}
+    ident = {k: v for k, v in info.items() if k not in ("path", "model", "namespace", "n_caches")}
     return _hash(ident), namespace, info

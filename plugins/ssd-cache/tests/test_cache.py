@@ -293,3 +293,15 @@ def test_io_failures_never_raise(tiny, tmp_path, caplog):
     assert s["failures"] == 3 and s["entries"] == 0
     assert len([r for r in caplog.records if "not stored" in r.message]) == 1
     c.close()
+
+
+def test_caches_that_differ_from_the_model_layout_are_not_stored(tiny, tmp_path):
+    model, _, path = tiny("llama")
+    c = ssd(tmp_path)
+    toks = list(range(40))
+    cache = prefill(model, toks) + [kv(40)]  # e.g. a plugin drafter's cache appended
+    c.insert_cache(str(path), toks, cache)
+    c.flush(30)
+    s = c.disk_stats()
+    assert s["entries"] == 0 and s["skipped"] == 1
+    c.close()
