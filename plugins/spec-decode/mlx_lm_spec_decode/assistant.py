@@ -173,6 +173,23 @@ def _embedding(model):
     return emb
 
 
+def output_scale(model):
+    """The per-channel scale of the target's final norm (its output on a
+    vector of ones), or None. The drafter's own final norm starts from it:
+    its outputs then have the target's hidden-state scale, and its first
+    predictions are not sharpened or flattened at random."""
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    args = getattr(model, "args", None)
+    D = getattr(args, "hidden_size", None)
+    if norm is None or not D:
+        return None
+    try:
+        w = norm(mx.ones((int(D),), mx.float32)).astype(mx.float32)
+    except Exception:
+        return None
+    return w if w.shape == (int(D),) and mx.all(mx.isfinite(w)).item() else None
+
+
 def find_donors(model, num_layers):
     """Donor cache index and sliding window for each of ``num_layers`` layers.
 

@@ -215,6 +215,7 @@ class Target:
         self.ropes = [A.rope_of(model, d) for d in cfg.donors]
         self.cfg = cfg
         self.dtype = A.donor_layout(model, cfg.donors)[3]
+        self.out_scale = A.output_scale(model)
         model.freeze()
 
     def run(self, x):
@@ -359,6 +360,8 @@ def make_trainer(args, cfg, target, ckpt=None):
     optimizer, the state to evaluate and the (compiled) training step."""
     mx.random.seed(args.seed)
     net = A.Assistant(cfg)
+    if target.out_scale is not None:
+        net.norm.weight = target.out_scale
     opt = optim.AdamW(learning_rate=_schedule(args.lr, args.steps, args.warmup), weight_decay=0.0)
     opt.init(net.trainable_parameters())
     if ckpt is not None:  # before compiling: the compiled step captures these state trees
@@ -548,10 +551,10 @@ def add_arguments(p):
     p.add_argument("--seq-len", type=int, default=256, help="Tokens per sequence. Default: 256.")
     p.add_argument("--draft-steps", type=int, default=3,
                    help="Chained draft steps trained from every position. Default: 3.")
-    p.add_argument("--lr", type=float, default=5e-4, help="Peak learning rate (AdamW, cosine decay). Default: 5e-4.")
+    p.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW, cosine decay). Default: 1e-3.")
     p.add_argument("--warmup", type=int, default=100, help="Warm-up steps. Default: 100.")
-    p.add_argument("--feature-weight", type=float, default=0.1,
-                   help="Weight of the hidden-state regression loss. Default: 0.1.")
+    p.add_argument("--feature-weight", type=float, default=1.0,
+                   help="Weight of the hidden-state regression loss. Default: 1.0.")
     p.add_argument("--seed", type=int, default=0, help="Seed for weights, data order and prompts. Default: 0.")
     p.add_argument("--time-limit", type=float, default=None,
                    help="Stop (with a checkpoint) after this many seconds of training; rerun to continue.")

@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step
 
 from mlx_lm_spec_decode import last_stats, speculative_generate_step
 from mlx_lm_spec_decode import assistant as A
-from mlx_lm_spec_decode.assistant_train import Target, loss_fn
+from mlx_lm_spec_decode.assistant_train import Target, _schedule, loss_fn
 
 PROMPTS = [
     "Write a haiku about the sea.",
@@ -36,27 +36,29 @@ def test_real_model_greedy_parity(smollm2_f32_path):
     # A drafter fit (with the training loss) to the model's own answer to
     # the first prompt, so that drafts are accepted there.
     first = chat(PROMPTS[0])
-    seq = first.tolist() + stock(model, first, 40)
+    seq = first.tolist() + stock(model, first, 24)
     cfg = A.make_config(model, num_layers=1)
     mx.random.seed(0)
     net = A.Assistant(cfg)
     target = Target(model, cfg)
+    net.norm.weight = target.out_scale
     inputs = target.run(mx.array([seq], mx.uint32))
     mx.eval(inputs)
-    opt = optim.Adam(learning_rate=3e-3)
-    vg = nn.value_and_grad(net, lambda n: loss_fn(n, target, *inputs, 2, 0.1))
-    for _ in range(30):
+    opt = optim.Adam(learning_rate=_schedule(3e-3, 40, 8))
+    vg = nn.value_and_grad(net, lambda n: loss_fn(n, target, *inputs, 1, 0.1))
+    for _ in range(40):
         (loss, ces, accs), g = vg(net)
+        g, _ = optim.clip_grad_norm(g, 1.0)
         opt.update(net, g)
         mx.eval(net.parameters(), opt.state, accs)
     model.unfreeze()
-    assert accs[0].item() > 0.5
+    assert accs[0].item() > 0.2
     drafter = A.AssistantDrafter(model, net, cfg, auto_off=False)
     for i, text in enumerate(PROMPTS):
         p = chat(text)
-        assert [t for t, _, _ in speculative_generate_step(p, model, drafter, num_draft_tokens=3, max_tokens=40)] \
-            == stock(model, p, 40), text
+        assert [t for t, _, _ in speculative_generate_step(p, model, drafter, num_draft_tokens=3, max_tokens=32)] \
+            == stock(model, p, 32), text
         s = last_stats()
         assert s.drafted > 0
         if i == 0:
-            assert s.accepted > 0 and s.forwards < 40
+            assert s.accepted > 0 and s.forwards < 32
