@@ -69,6 +69,9 @@ class Controller:
     RETRY_ROUNDS = 3  # ... and after each retry
     SLACK = 1.03  # drafting must be at least this much slower to switch off
     BACKOFF = 32  # tokens decoded plainly before drafting is tried again
+    # A draft step costing this fraction of a plain target step or more cannot
+    # pay off: a verify over 2+ tokens already costs more than one step.
+    DRAFT_COST = 0.8
 
     def __init__(self, gamma, gmax, adaptive=True, auto_off=True):
         self.gmax = max(1, gmax)
@@ -76,7 +79,10 @@ class Controller:
         self.adaptive, self.auto_off = adaptive, auto_off
         self.spec = deque(maxlen=self.WINDOW)  # (seconds, tokens)
         self.plain = deque(maxlen=5)  # seconds per plain step
-        self.probe = 0
+        # Time two plain steps first: every decision compares against them.
+        self.probe = 2 if auto_off else 0
+        self.draft_step = None  # seconds per draft token, when measurable
+        self.timed = 0  # drafting rounds whose draft was timed on its own
         self.rounds = 0
         self.backoff = self.BACKOFF
         self.off_for = 0
@@ -88,6 +94,23 @@ class Controller:
             self.probe -= 1
             return 0
         return self.gamma
+
+    def time_draft(self):
+        """Whether to evaluate this round's (lazy) drafts on their own, to time them."""
+        return self.auto_off and self.timed < 2
+
+    def drafted(self, k, seconds):
+        self.timed += 1
+        self.draft_step = seconds / k
+
+    def _switch_off(self):
+        self.off_for = self.backoff
+        self.backoff *= 2
+        self.switched_off = True
+        self.spec.clear()
+        self.need = self.RETRY_ROUNDS
+        self.timed = 0
+        self.probe = 1
 
     def update(self, k, a, dt):
         if k == 0:
@@ -105,16 +128,15 @@ class Controller:
             self.probe = 2
         elif self.rounds % 12 == 0:
             self.probe = 1
-        if len(self.plain) >= 2 and len(self.spec) >= self.need:
+        if not self.plain:
+            return
+        plain = sorted(self.plain)[(len(self.plain) - 1) // 2]
+        if self.draft_step is not None and self.draft_step >= self.DRAFT_COST * plain:
+            self._switch_off()
+        elif len(self.plain) >= 2 and len(self.spec) >= self.need:
             spec = sum(t for t, _ in self.spec) / sum(n for _, n in self.spec)
-            plain = sorted(self.plain)[(len(self.plain) - 1) // 2]
             if spec > plain * self.SLACK:
-                self.off_for = self.backoff
-                self.backoff *= 2
-                self.switched_off = True
-                self.spec.clear()
-                self.need = self.RETRY_ROUNDS
-                self.probe = 1
+                self._switch_off()
 
 
 def speculative_generate_step(
@@ -261,6 +283,10 @@ def speculative_generate_step(
                 drafts, q = drafter.draft(ctx, k_req)
                 if not isinstance(drafts, mx.array):
                     drafts = mx.array(drafts, mx.uint32)
+                elif drafts.size and ctl.time_draft():
+                    # A drafter that computes (a draft model): time its steps.
+                    mx.eval(drafts)
+                    ctl.drafted(drafts.size, time.perf_counter() - t0)
                 k = drafts.size
                 if k == 0:
                     yield from plain(1, t0)

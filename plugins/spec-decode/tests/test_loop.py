@@ -186,6 +186,7 @@ class HiddenProbe(Drafter):
 
     name = "probe"
     needs_hidden = True
+    auto_off = False  # no timing probes: draft() is asked before every step
 
     def __init__(self):
         self.seen = []
@@ -241,3 +242,25 @@ def test_kv_quantization_switches_where_plain_decoding_does(tiny_model, repetiti
     n_t = n_target_caches(model)
     assert all(isinstance(c, QuantizedKVCache) for c in cache[:n_t])  # the caller's list
     assert cache[0].offset == prompt.size + 20
+
+
+def test_costly_drafter_is_switched_off_after_one_round(tiny_llama, repetitive_prompt):
+    import time as _time
+
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+
+    class Costly(Drafter):  # right every time, but a step costs more than the target's
+        name = "costly"
+
+        def draft(self, ctx, n):
+            _time.sleep(0.3 * n)
+            return mx.array(stock(model, mx.array(ctx.state.setdefault("seq", prompt.tolist())), n)), None
+
+        def accept(self, ctx, tokens, n_drafted):
+            ctx.state["seq"] = ctx.state.get("seq", prompt.tolist()) + tokens
+
+    out = spec(model, Costly(), prompt, 40, k=3)
+    assert out == stock(model, prompt, 40)
+    s = last_stats()
+    assert s.auto_off and s.draft_rounds <= 2 and s.accepted == s.drafted
