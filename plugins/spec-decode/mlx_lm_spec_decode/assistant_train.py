@@ -325,9 +325,12 @@ def prepare_data(args, model, tokenizer, out):
     chat = None
     if args.generate:
         prompts = chat_prompts(tokenizer, tokens, args.generate, args.seed)
-        seqs = generate_chat(model, tokenizer, prompts, args.generate_tokens, progress=not args.quiet)
+        t0 = time.perf_counter()
+        seqs = generate_chat(model, tokenizer, prompts, args.generate_tokens, batch_size=args.generate_batch,
+                             progress=not args.quiet)
         chat = np.concatenate([np.asarray(s, np.uint32) for s in seqs])
-        print(f"generated: {len(seqs)} answers, {len(chat):,} tokens", file=sys.stderr)
+        print(f"generated: {len(seqs)} answers, {len(chat):,} tokens in {time.perf_counter() - t0:.0f}s",
+              file=sys.stderr)
     arrays = {"corpus": mx.array(tokens)}
     if chat is not None:
         arrays["chat"] = mx.array(chat)
@@ -537,6 +540,7 @@ def add_arguments(p):
     p.add_argument("--generate", type=int, default=0,
                    help="Also train on the target's greedy answers to this many chat prompts made from the data. Default: 0.")
     p.add_argument("--generate-tokens", type=int, default=256, help="Longest generated answer. Default: 256.")
+    p.add_argument("--generate-batch", type=int, default=64, help="Answers generated at once. Default: 64.")
     p.add_argument("--chat-fraction", type=float, default=0.5,
                    help="Share of each batch taken from the generated chats (with --generate). Default: 0.5.")
     p.add_argument("--layers", type=int, default=1, help="Drafter layers (1 or 2; up to 4). Default: 1.")
@@ -583,7 +587,7 @@ def _steps(value):
 def _validate(args):
     if args.steps == "auto" and not args.time_limit:
         raise TrainError("--steps auto needs --time-limit SECONDS")
-    for name in ("steps", "batch_size", "seq_len", "draft_steps", "save_every", "layers"):
+    for name in ("steps", "batch_size", "seq_len", "draft_steps", "save_every", "layers", "generate_batch"):
         if getattr(args, name) != "auto" and getattr(args, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
     if args.seq_len < args.draft_steps + 2:
