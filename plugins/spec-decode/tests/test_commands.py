@@ -46,13 +46,14 @@ def free_port():
 
 
 @pytest.fixture
-def server(tiny_model):
+def server(tiny_model, request):
     model = tiny_model("llama")
+    flags = getattr(request, "param", ["--drafter", "ngram", "--ngram-min", "1"])
+    flags = [str(tiny_model(f[1:])) if f.startswith("@") else f for f in flags]
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--host", "127.0.0.1",
-         "--port", str(port), "--plugin", "spec-decode", "--drafter", "ngram", "--ngram-min", "1",
-         "--num-draft-tokens", "4"],
+         "--port", str(port), "--plugin", "spec-decode", "--num-draft-tokens", "4", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     import urllib.request
@@ -106,3 +107,17 @@ def test_server_usage_carries_acceptance(server):
     proc.terminate()
     out, _ = proc.communicate(timeout=20)
     assert out.count("Speculative decoding (ngram): drafted") >= 3, out[-3000:]
+
+
+@pytest.mark.parametrize("server", [["--draft-model", "@llama", "--no-auto-off"]], indirect=True)
+def test_server_with_a_draft_model(server):
+    """mlx-lm's own --draft-model flag, served by this plugin's loop."""
+    from openai import OpenAI
+
+    base, proc = server
+    client = OpenAI(base_url=base, api_key="none", timeout=120, max_retries=0)
+    r = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": PROMPT}],
+                                       max_tokens=12, temperature=0)
+    spec = r.usage.model_dump()["speculative_decoding"]
+    # The draft model is the target itself here: every draft is accepted.
+    assert spec["drafter"] == "draft-model" and spec["drafted"] > 0 and spec["accepted"] == spec["drafted"]
