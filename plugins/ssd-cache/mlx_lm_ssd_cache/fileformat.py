@@ -320,6 +320,7 @@ def load(header, verify=False):
     With ``verify`` every tensor's CRC32 is checked. Raises ``Corrupt`` or
     ``OSError`` (file gone or replaced since the header was read).
     """
+    _read_ahead(header.path)
     try:
         arrays = mx.load(header.path)
     except (RuntimeError, ValueError) as e:
@@ -346,6 +347,21 @@ def load(header, verify=False):
         ]
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise Corrupt(f"bad cache spec: {e}") from e
+
+
+def _read_ahead(path):
+    """Ask the kernel to start reading the whole file now (Linux, macOS: no-op)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def from_snapshot(snap):
