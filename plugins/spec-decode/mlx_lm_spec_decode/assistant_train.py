@@ -311,15 +311,23 @@ RUN_KEYS = ("layers", "intermediate_size", "donors", "seq_len", "batch_size", "d
             "patterns")
 
 
-def prepare_data(args, model, tokenizer, out):
+DATA_KEYS = ("data", "patterns", "max_data_tokens", "generate", "generate_tokens", "seed")
+
+
+def prepare_data(args, model, tokenizer, out, resuming):
     """Tokenized data, made once and saved so a resumed run reuses it."""
     f = out / DATA_FILE
+    made_by = json.dumps({k: str(getattr(args, k)) for k in DATA_KEYS}, sort_keys=True)
     if f.is_file():
         try:
-            d = mx.load(str(f))
-            return np.array(d["corpus"]), (np.array(d["chat"]) if "chat" in d else None)
+            d, meta = mx.load(str(f), return_metadata=True)
         except Exception as e:
-            raise TrainError(f"{f} is unreadable ({e}); start over with --restart") from e
+            if resuming:
+                raise TrainError(f"{f} is unreadable ({e}); start over with --restart") from e
+            d, meta = None, {}
+        if d is not None and (resuming or meta.get("made_by") == made_by):
+            return np.array(d["corpus"]), (np.array(d["chat"]) if "chat" in d else None)
+        # No checkpoint uses it and it was made from other settings: remake it.
     tokens, files = read_corpus(tokenizer, args.data, args.patterns, args.max_data_tokens, progress=not args.quiet)
     print(f"data: {len(tokens):,} tokens from {files} files", file=sys.stderr)
     chat = None
@@ -335,7 +343,7 @@ def prepare_data(args, model, tokenizer, out):
     if chat is not None:
         arrays["chat"] = mx.array(chat)
     tmp = out / (".tmp." + DATA_FILE)
-    mx.save_safetensors(str(tmp), arrays)
+    mx.save_safetensors(str(tmp), arrays, metadata={"made_by": made_by})
     tmp.replace(f)
     return tokens, chat
 
@@ -448,7 +456,7 @@ def train(args):
         A.check_fingerprint(saved.target, cfg.target, where=f"the run in {out}")
         cfg.target = saved.target
     target = Target(model, cfg, split)
-    corpus, chat = prepare_data(args, model, tokenizer, out)
+    corpus, chat = prepare_data(args, model, tokenizer, out, resuming=ckpt is not None)
     batch, n_rows, n_chat_rows = make_batches(args, corpus, chat)
 
     if args.steps == "auto":
@@ -458,6 +466,7 @@ def train(args):
     if ckpt is not None:
         start = json.loads((ckpt / "state.json").read_text())["step"]
         print(f"resuming {out} at step {start}", file=sys.stderr)
+    _truncate_log(out / LOG_FILE, start)  # steps logged after the checkpoint are redone
     n_params = sum(v.size for _, v in tree_flatten(net.parameters()))
     print(f"assistant: {cfg.num_layers} layer(s), {n_params / 1e6:.2f}M parameters, donors {cfg.donors} "
           f"(of {len(make_prompt_cache(model))} caches); {n_rows} text + {n_chat_rows} chat sequences "
@@ -518,6 +527,19 @@ def train(args):
         print(f"stopped at step {step} ({stop}); run the same command again to continue", file=sys.stderr)
     print(f"drafter saved in {out} (use: --drafter assistant --drafter-path {out})", file=sys.stderr)
     return 0
+
+
+def _truncate_log(path, step):
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut short by a crash
+    path.write_text("".join(x + "\n" for x in keep))
 
 
 def _tail_metrics(path, step, n=20):

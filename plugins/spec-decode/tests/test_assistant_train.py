@@ -51,6 +51,8 @@ def test_loss_falls_and_resume_is_exact(tiny_model, data, tmp_path):
     assert main(flags(model, data, tmp_path / "b", "--stop-after", "3")) == 0
     assert json.loads((tmp_path / "b" / CKPT / "state.json").read_text())["step"] == 3
     assert (tmp_path / "b" / A.WEIGHTS_FILE).is_file()  # a usable drafter at every checkpoint
+    with open(tmp_path / "b" / LOG_FILE, "a") as f:  # as if killed after logging step 4, mid-line
+        f.write(json.dumps({"step": 4, "loss": 0.0}) + '\n{"step": 5, "lo')
     assert main(flags(model, data, tmp_path / "b")) == 0
     resumed = records(tmp_path / "b")
     assert [r["step"] for r in resumed] == list(range(1, 9))
@@ -96,6 +98,8 @@ def test_changed_settings_and_bad_data_are_clear_errors(tiny_model, data, tmp_pa
 
 def test_generated_chat_data(tiny_model, data, tmp_path):
     model = tiny_model("llama")
+    (tmp_path / "a").mkdir()
+    shutil.copy(data / "textwrap.py", tmp_path / "a" / DATA_FILE)  # stale, unreadable, no checkpoint: remade
     assert main(flags(model, data, tmp_path / "a", "--generate", "3", "--generate-tokens", "6", "--stop-after", "1")) == 0
     d = mx.load(str(tmp_path / "a" / DATA_FILE))
     _, tok = load(str(model))
