@@ -88,6 +88,13 @@ def _check(args):
         raise PluginError("--drafter draft-model needs --draft-model PATH (a smaller model with the same tokenizer)")
     if drafter == "assistant" and not getattr(args, "drafter_path", None):
         raise PluginError("--drafter assistant needs --drafter-path DIR (train one with: mlx-lm-ext train-drafter)")
+    if drafter == "assistant":
+        from .assistant import AssistantError, read_config
+
+        try:  # the folder now; whether it fits the model once it is loaded
+            read_config(args.drafter_path)
+        except AssistantError as e:
+            raise PluginError(f"--drafter-path: {e}") from e
 
 
 @hookimpl
