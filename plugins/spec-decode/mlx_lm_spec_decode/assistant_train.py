@@ -91,6 +91,8 @@ def read_corpus(tokenizer, path, patterns=DEFAULT_PATTERNS, max_tokens=None, pro
 
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if hasattr(hf, "model_max_length"):
+        hf.model_max_length = 1 << 40  # whole files are tokenized, then cut into --seq-len rows
     out, total, files = [], 0, 0
     batch = []
 
