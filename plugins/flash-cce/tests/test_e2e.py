@@ -38,6 +38,10 @@ def test_lora_cli_flash_cce_matches_default(smollm2_path, tmp_path):
             "--data", str(data), "--loss", loss, "--iters", "2", "--batch-size", "2",
             "--num-layers", "4", "--val-batches", "1", "--steps-per-report", "1",
             "--steps-per-eval", "2", "--max-seq-length", "64", "--seed", "0",
+            # SGD: adapters move linearly with the gradients. (Adam's first
+            # step is lr * sign(gradient): where a gradient is ~0 its sign is
+            # noise in either loss, so Adam's adapters cannot be compared.)
+            "--optimizer", "sgd", "--learning-rate", "1e-2",
             "--adapter-path", str(adapters),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -55,9 +59,9 @@ def test_lora_cli_flash_cce_matches_default(smollm2_path, tmp_path):
     w1 = mx.load(str(a1 / "adapters.safetensors"))
     w2 = mx.load(str(a2 / "adapters.safetensors"))
     assert w1.keys() == w2.keys() and w1
-    for k in w2:
-        scale = mx.abs(w2[k]).max().item()
-        assert max_abs(w1[k], w2[k]) <= 1e-3 * scale + 1e-7, k
+    for k in w2:  # the stock loss's own gradient error here is ~1e-3 (see below)
+        diff = mx.sqrt(((w1[k] - w2[k]) ** 2).sum()) / mx.sqrt((w2[k] ** 2).sum())
+        assert diff.item() <= 3e-3, k
 
 
 @pytest.mark.slow

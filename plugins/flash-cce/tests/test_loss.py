@@ -151,7 +151,7 @@ class _Record(TrainingCallback):
         self.val.append(info["val_loss"])
 
 
-def _train(model_path, loss_fn_for, iters=4):
+def _train(model_path, loss_fn_for, adapter_file, iters=4):
     np.random.seed(0)  # iterate_batches shuffles with numpy's global RNG
     mx.random.seed(0)  # LoRA init
     model, _ = load(model_path)
@@ -160,7 +160,7 @@ def _train(model_path, loss_fn_for, iters=4):
     data = [(mx.random.randint(3, 49152, (n,), key=mx.random.key(n)).tolist(), 0) for n in (20, 31, 45, 12, 38, 27)]
     record = _Record()
     args = TrainingArgs(batch_size=2, iters=iters, val_batches=2, steps_per_report=1, steps_per_eval=iters,
-                        max_seq_length=64, adapter_file=None, steps_per_save=10**9)
+                        max_seq_length=64, adapter_file=str(adapter_file), steps_per_save=10**9)
     opt = optim.Adam(learning_rate=1e-3)
     train(model, opt, data, data[:4], args=args, loss=loss_fn_for(model), training_callback=record)
     return record, evaluate(model, data[:4], batch_size=2, num_batches=2, loss=loss_fn_for(model))
@@ -169,8 +169,8 @@ def _train(model_path, loss_fn_for, iters=4):
 def test_trainer_compiled_step_matches_default_loss(tiny_model, tmp_path):
     """mlx-lm's own train() (compiled step) and evaluate() with make_loss."""
     path = str(tiny_model("llama", quantized=True, tied=True))
-    ours = _train(path, lambda m: make_loss(m, **FLASH))
-    stock = _train(path, lambda m: default_loss)
+    ours = _train(path, lambda m: make_loss(m, **FLASH), tmp_path / "ours.safetensors")
+    stock = _train(path, lambda m: default_loss, tmp_path / "stock.safetensors")
     (rec1, final1), (rec2, final2) = ours, stock
     assert len(rec1.train) == 4 and len(rec1.val) == 2
     for a, b in zip(rec1.train + rec1.val + [final1], rec2.train + rec2.val + [final2]):
