@@ -515,7 +515,7 @@ class DiskTier:
             space.path.mkdir(parents=True, exist_ok=True)
             self._write_info(space)
             return tmp, fileformat.write(tmp, snap, meta, pace=self._pacer())
-        except OSError as e:
+        except Exception as e:  # OSError, or a bug: the entry is just not stored
             self._write_failed(space, tmp, e)
             return None
 
@@ -545,7 +545,7 @@ class DiskTier:
         return size
 
     def _write_failed(self, space, tmp, e):
-        kind = _kind(e)
+        kind = _kind(e) if isinstance(e, OSError) else repr(e)
         self._warn("write: " + kind, f"prompt cache not stored in {space.path}: {kind}: {e}")
         self._count(failures=1)
         try:

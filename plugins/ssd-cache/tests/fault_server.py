@@ -19,7 +19,7 @@ from mlx_lm_ssd_cache import fileformat
 _write = fileformat.write
 
 
-def write(tmp_path, snap, meta):
+def write(tmp_path, snap, meta, pace=None):
     hang = os.environ.get("SSD_TEST_HANG_IF")
     if hang and os.path.exists(hang):
         with open(tmp_path, "xb") as f:
@@ -28,7 +28,7 @@ def write(tmp_path, snap, meta):
         open(hang + ".hit", "w").close()
         time.sleep(3600)
     time.sleep(float(os.environ.get("SSD_TEST_WRITE_DELAY", "0")))
-    return _write(tmp_path, snap, meta)
+    return _write(tmp_path, snap, meta, pace)
 
 
 fileformat.write = write

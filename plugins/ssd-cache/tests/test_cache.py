@@ -305,3 +305,21 @@ def test_caches_that_differ_from_the_model_layout_are_not_stored(tiny, tmp_path)
     s = c.disk_stats()
     assert s["entries"] == 0 and s["skipped"] == 1
     c.close()
+
+
+def test_a_failing_writer_releases_its_pending_entries(tiny, tmp_path, monkeypatch):
+    model, _, path = tiny("llama")
+
+    def broken(*a, **k):
+        raise TypeError("a bug in the writer")
+
+    monkeypatch.setattr(fileformat, "write", broken)
+    c = ssd(tmp_path)
+    for i in range(3):
+        c.insert_cache(str(path), [i] * 40, prefill(model, [i] * 40))
+    c.flush(30)
+    s = c.disk_stats()
+    assert s["failures"] == 3 and s["pending"] == 0 and s["pending_bytes"] == 0
+    assert s["entries"] == 0 and not list((tmp_path / "cache").glob("*/*/*"))
+    assert c.fetch_nearest_cache(str(path), [1] * 41)[0] is not None  # memory still works
+    c.close()
