@@ -291,13 +291,16 @@ def _install_generate_drafter():
 
     @functools.wraps(original)
     def generate(model, tokenizer, prompt, verbose=False, **kwargs):
-        drafter = plugins.hook().make_drafter(
-            command="generate",
-            model=model,
-            tokenizer=tokenizer,
-            draft_model=kwargs.get("draft_model"),
-            args=_cli_args.get("generate"),
-        )
+        try:
+            drafter = plugins.hook().make_drafter(
+                command="generate",
+                model=model,
+                tokenizer=tokenizer,
+                draft_model=kwargs.get("draft_model"),
+                args=_cli_args.get("generate"),
+            )
+        except PluginError as e:  # e.g. a drafter made for another model
+            plugins.fail(str(e))
         if drafter is not None:
             kwargs["draft_model"] = drafter
         return original(model, tokenizer, prompt, verbose=verbose, **kwargs)

@@ -88,6 +88,8 @@ PLUGIN_SRC = textwrap.dedent(
     @hookimpl
     def make_drafter(command, model, tokenizer, draft_model, args):
         record("make_drafter", command, draft_model is None)
+        if getattr(args, "testplugin_mode", None) == "drafter-mismatch":
+            raise PluginError("this drafter was made for another model")
         return None
 
 

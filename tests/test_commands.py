@@ -79,6 +79,10 @@ def test_bad_plugin_option_and_crashing_activation(run, tiny_model):
     bad = run(cmd + ["--testplugin-mode", "bad"])
     assert bad.returncode == 2
     assert "--testplugin-mode bad is not allowed" in bad.stderr
+    mismatch = run(cmd + ["--testplugin-mode", "drafter-mismatch"])
+    assert mismatch.returncode == 2
+    assert "this drafter was made for another model" in mismatch.stderr
+    assert "Traceback" not in mismatch.stderr
     crash = run(cmd + ["--testplugin-mode", "crash"])
     assert crash.returncode == 1
     assert "plugin 'testplugin' failed to activate: simulated crash" in crash.stderr
