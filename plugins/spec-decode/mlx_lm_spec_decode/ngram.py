@@ -122,16 +122,18 @@ class NGramCache(_BaseCache):
 class NGramDrafter(Drafter):
     """Prompt-lookup drafter: longest n-gram match first, ``n_max`` down to ``n_min``.
 
-    Within a request it keeps, per match length, how often the first proposed
-    token was accepted; a length whose proposals fail more often than not
-    (after ``TRIALS`` tries) stops proposing: on open text, short matches
-    mostly guess wrong, and a wrong guess costs a wider verify forward.
+    Within a request it keeps, per match length, a decaying count of how often
+    the first token it would propose was right, and stays silent for a length
+    that is right less than ``MIN_HIT`` of the time: on open text short
+    matches mostly guess wrong, and a wrong guess costs a wider verify
+    forward. Guesses are checked against the emitted tokens even while a
+    length is silent (no model work), so a length that starts to fit (the
+    answer starts quoting its input) is heard again.
     """
 
-    TRIALS = 4
-    MIN_HIT = 0.34  # first-token acceptance below which a length is muted
-
-    name = "ngram"
+    DECAY = 0.8
+    MIN_TRIES = 3.0  # decayed tries before a length may be silenced
+    MIN_HIT = 0.34
 
     def __init__(self, n_max=4, n_min=2, max_draft=10, adaptive=True, auto_off=True):
         if not 1 <= n_min <= n_max:
@@ -160,17 +162,24 @@ class NGramDrafter(Drafter):
     def draft(self, ctx, n):
         cache = ctx.cache[0]
         length, start = cache.match()
-        tries, hits = ctx.state.setdefault("hits", {}).get(length, (0, 0))
-        if not length or (tries >= self.TRIALS and hits < self.MIN_HIT * tries):
+        if not length:
             return [], None
-        ctx.state["length"] = length
-        return cache.copy(start, n), None
+        tokens = cache.copy(start, n)
+        ctx.state["guess"] = (length, tokens[0])
+        tries, hits = ctx.state.setdefault("hits", {}).get(length, (0.0, 0.0))
+        if tries >= self.MIN_TRIES and hits < self.MIN_HIT * tries:
+            return [], None  # silent: the guess is only checked
+        return tokens, None
 
     def accept(self, ctx, tokens, n_drafted):
-        length = ctx.state.pop("length", 0)
-        if length:
-            tries, hits = ctx.state["hits"].get(length, (0, 0))
-            ctx.state["hits"][length] = (tries + 1, hits + (n_drafted > 0))
+        guess = ctx.state.pop("guess", None)
+        if guess is not None:
+            length, first = guess
+            tries, hits = ctx.state["hits"].get(length, (0.0, 0.0))
+            ctx.state["hits"][length] = (
+                self.DECAY * tries + 1,
+                self.DECAY * hits + (tokens[0] == first),
+            )
         ctx.cache[0].extend(tokens)
 
     def trim(self, ctx, n):
