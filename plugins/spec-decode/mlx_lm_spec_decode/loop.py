@@ -93,23 +93,31 @@ class Controller:
         if self.probe > 0:
             self.probe -= 1
             return 0
+        if self.auto_off and self.draft_step is None and self.timed == 0:
+            return 1  # the first timed draft: one step tells its cost
         return self.gamma
 
     def time_draft(self):
         """Whether to evaluate this round's (lazy) drafts on their own, to time them."""
         return self.auto_off and self.timed < 2
 
+    def free_drafts(self):
+        """The drafter computes nothing on the device (n-gram lookup)."""
+        self.timed = 2
+
     def drafted(self, k, seconds):
         self.timed += 1
         self.draft_step = seconds / k
 
-    def _switch_off(self):
-        self.off_for = self.backoff
+    def _switch_off(self, for_good=False):
+        # Too costly a drafter stays off (the machine will not change within
+        # a request); too little acceptance is retried after a back-off.
+        self.off_for = (1 << 30) if for_good else self.backoff
         self.backoff *= 2
         self.switched_off = True
         self.spec.clear()
         self.need = self.RETRY_ROUNDS
-        self.timed = 0
+        self.timed = min(self.timed, 1)  # time one more draft on retry
         self.probe = 1
 
     def update(self, k, a, dt):
@@ -132,7 +140,7 @@ class Controller:
             return
         plain = sorted(self.plain)[(len(self.plain) - 1) // 2]
         if self.draft_step is not None and self.draft_step >= self.DRAFT_COST * plain:
-            self._switch_off()
+            self._switch_off(for_good=True)
         elif len(self.plain) >= 2 and len(self.spec) >= self.need:
             spec = sum(t for t, _ in self.spec) / sum(n for _, n in self.spec)
             if spec > plain * self.SLACK:
@@ -282,6 +290,7 @@ def speculative_generate_step(
                     continue
                 drafts, q = drafter.draft(ctx, k_req)
                 if not isinstance(drafts, mx.array):
+                    ctl.free_drafts()
                     drafts = mx.array(drafts, mx.uint32)
                 elif drafts.size and ctl.time_draft():
                     # A drafter that computes (a draft model): time its steps.
