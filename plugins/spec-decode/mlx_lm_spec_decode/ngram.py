@@ -164,7 +164,9 @@ class NGramDrafter(Drafter):
         length, start = cache.match()
         if not length:
             return [], None
-        tokens = cache.copy(start, n)
+        # A short match is a weak guess: propose about as many tokens as
+        # matched; only a full-length match gets the whole draft length.
+        tokens = cache.copy(start, n if length >= self.n_max else min(n, length))
         ctx.state["guess"] = (length, tokens[0])
         tries, hits = ctx.state.setdefault("hits", {}).get(length, (0.0, 0.0))
         if tries >= self.MIN_TRIES and hits < self.MIN_HIT * tries:
