@@ -17,9 +17,13 @@ MLX 0.32 orders a graph breadth-first up to 20 nodes wide
 interleaved and each keeps its ``[tokens, vocab]`` temporaries alive. Here
 every block's matmul input is made to depend on the previous block's
 accumulators (``mx.depends``, no copy), which turns the whole loss into one
-chain: block k+1 starts only after block k's logits and exponentials are
-consumed. Tokens are processed in chunks, so a block is ``[token_chunk,
-vocab_chunk]`` and the accumulators ``[token_chunk, hidden]``.
+chain: block k+1 runs only after block k's logits and exponentials are
+consumed, in whatever order MLX evaluates the outputs. Elementwise work is
+fused (``mx.compile``). What remains is the backend's dispatch-ahead (the
+CPU allocates outputs for up to ~100 queued operations): about a dozen
+blocks are alive at once. Tokens are processed in chunks, so a block is
+``[token_chunk, vocab_chunk]`` and the accumulators ``[token_chunk,
+hidden]``.
 """
 
 from typing import NamedTuple, Optional
@@ -154,7 +158,7 @@ def _times(x, dz):
     return x * dz
 
 
-def _block_max(x, rows_only=False):
+def _block_max(x, per_vocab_block=False):
     """Max over FILTER_BLOCK tiles of a non-negative ``[n, v]`` (zero padded)."""
     b = FILTER_BLOCK
     n, v = x.shape
@@ -162,7 +166,7 @@ def _block_max(x, rows_only=False):
     if pn or pv:
         x = mx.pad(x, [(0, pn), (0, pv)])
     x = x.reshape((n + pn) // b, b, (v + pv) // b, b).max(axis=(1, 3))
-    if rows_only:  # one decision per vocab block, for the whole token chunk
+    if per_vocab_block:  # one decision per vocab block, for the whole token chunk
         x = mx.broadcast_to(x.max(axis=0, keepdims=True), x.shape)
     return x
 
@@ -173,7 +177,7 @@ def _filter_mask(coef, st):
     if st.filter_eps is not None:
         masks.append(_block_max(coef) >= st.filter_eps)
     if st.block_skip_eps is not None:
-        masks.append(_block_max(coef, rows_only=True) >= st.block_skip_eps)
+        masks.append(_block_max(coef, per_vocab_block=True) >= st.block_skip_eps)
     if not masks:
         return None
     return masks[0] if len(masks) == 1 else mx.logical_and(*masks)
