@@ -67,7 +67,8 @@ def main():
     model = args.model or subprocess.check_output(
         [str(BIN / "mlx-lm-ext"), "model", "smollm2-135m-f32", "--quiet"], text=True).strip()
     cache_dir = args.dir or tempfile.mkdtemp(prefix="ssd-cache-demo-")
-    log_path = os.path.join(cache_dir, "..", f"ssd-cache-demo-{os.getpid()}.log")
+    os.makedirs(cache_dir, exist_ok=True)
+    log_path = os.path.join(tempfile.gettempdir(), f"ssd-cache-demo-{os.getpid()}.log")
     with open(log_path, "ab") as log:
         for run in ("first run (cold: the whole prompt is prefilled)",
                     "second run, new process (prompt cache restored from disk)"):
@@ -80,7 +81,7 @@ def main():
                 proc.wait(120)
     print("\n$ mlx-lm-ext ssd-cache ls --dir", cache_dir, flush=True)
     subprocess.run([str(BIN / "mlx-lm-ext"), "ssd-cache", "ls", "--dir", cache_dir])
-    print(f"\nserver logs: {os.path.abspath(log_path)}")
+    print(f"\nserver logs: {log_path}")
     lines = [line for line in Path(log_path).read_text().splitlines()
              if "ssd-cache:" in line or "- disk:" in line]
     print("\n".join(lines[-4:]))
