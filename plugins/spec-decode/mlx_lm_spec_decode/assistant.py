@@ -175,9 +175,7 @@ def _embedding(model):
 
 def output_scale(model):
     """The per-channel scale of the target's final norm (its output on a
-    vector of ones), or None. The drafter's own final norm starts from it:
-    its outputs then have the target's hidden-state scale, and its first
-    predictions are not sharpened or flattened at random."""
+    vector of ones), or None."""
     norm = getattr(getattr(model, "model", None), "norm", None)
     args = getattr(model, "args", None)
     D = getattr(args, "hidden_size", None)
@@ -188,6 +186,24 @@ def output_scale(model):
     except Exception:
         return None
     return w if w.shape == (int(D),) and mx.all(mx.isfinite(w)).item() else None
+
+
+def init_from_target(net, model):
+    """Start training from "draft what the target just predicted": the
+    input projection passes the target's (normalized) hidden state through,
+    the attention and MLP branches start at zero, and the final norm restores
+    the hidden state's scale. The first predictions are then the target's
+    own (calibrated) distribution one position back, not random and
+    saturated ones; measured on SmolLM2, better top-1 agreement after the
+    same steps than a random start."""
+    D = net.fc.weight.shape[0]
+    net.fc.weight = mx.concatenate([mx.eye(D), mx.zeros((D, D))], axis=1).astype(net.fc.weight.dtype)
+    for layer in net.layers:
+        layer.o_proj.weight = mx.zeros_like(layer.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    s = output_scale(model)
+    if s is not None:
+        net.norm.weight = mx.full((D,), mx.sqrt((s * s).mean()).item(), net.norm.weight.dtype)
 
 
 def find_donors(model, num_layers):

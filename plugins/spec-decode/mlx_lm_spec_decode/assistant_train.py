@@ -217,7 +217,6 @@ class Target:
         self.ropes = [A.rope_of(model, d) for d in cfg.donors]
         self.cfg = cfg
         self.dtype = A.donor_layout(model, cfg.donors)[3]
-        self.out_scale = A.output_scale(model)
         model.freeze()
 
     def run(self, x):
@@ -373,8 +372,7 @@ def make_trainer(args, cfg, target, ckpt=None):
     optimizer, the state to evaluate and the (compiled) training step."""
     mx.random.seed(args.seed)
     net = A.Assistant(cfg)
-    if target.out_scale is not None:
-        net.norm.weight = target.out_scale
+    A.init_from_target(net, target.model)
     opt = optim.AdamW(learning_rate=_schedule(args.lr, args.steps, args.warmup), weight_decay=0.0)
     opt.init(net.trainable_parameters())
     if ckpt is not None:  # before compiling: the compiled step captures these state trees

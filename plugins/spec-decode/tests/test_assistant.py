@@ -415,3 +415,24 @@ def test_mlx_lm_generate_command(tiny_model, llama, trained, tmp_path):
     assert missing.returncode == 2 and "--drafter-path" in missing.stderr
     wrong = generate(model, "--plugin", "spec-decode", "--drafter", "assistant", "--drafter-path", str(tmp_path))
     assert wrong.returncode == 2 and "not an assistant drafter folder" in wrong.stderr
+
+
+def test_training_starts_from_the_targets_own_prediction(llama):
+    """init_from_target: before any training the drafter's first step
+    returns the target's hidden state (so its prediction is the target's,
+    one position back) instead of a random, saturated one."""
+    model, tok = llama
+    cfg = A.make_config(model, num_layers=2)
+    net = A.Assistant(cfg)
+    A.init_from_target(net, model)
+    split = target_mod.split(model)
+    prompt = prompt_of(tok)
+    cache = make_prompt_cache(model)
+    h = split[0](prompt[None, :-1], cache)[:, -1:]
+    own = [[] for _ in net.layers]
+    views = [A.donor_view(cache[i]) for i in cfg.donors]
+    out = net.step(h, model.model.embed_tokens(prompt[-1:])[None], views, [A.rope_of(model, i) for i in cfg.donors],
+                   own, cache[0].offset)
+    cos = (out * h).sum() / (mx.linalg.norm(out) * mx.linalg.norm(h))
+    assert cos.item() > 0.999
+    assert mx.argmax(split[1](out), -1).item() == mx.argmax(split[1](h), -1).item()

@@ -41,7 +41,7 @@ def test_real_model_greedy_parity(smollm2_f32_path):
     mx.random.seed(0)
     net = A.Assistant(cfg)
     target = Target(model, cfg)
-    net.norm.weight = target.out_scale
+    A.init_from_target(net, model)
     inputs = target.run(mx.array([seq], mx.uint32))
     mx.eval(inputs)
     opt = optim.Adam(learning_rate=_schedule(3e-3, 40, 8))
