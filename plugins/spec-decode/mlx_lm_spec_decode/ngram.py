@@ -131,6 +131,7 @@ class NGramDrafter(Drafter):
     answer starts quoting its input) is heard again.
     """
 
+    name = "ngram"
     DECAY = 0.8
     MIN_TRIES = 3.0  # decayed tries before a length may be silenced
     MIN_HIT = 0.34
