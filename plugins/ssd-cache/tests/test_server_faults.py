@@ -277,3 +277,28 @@ def test_changed_model_never_restores_old_entries(servers, model, smollm2_tokeni
     s2.stop()
     assert old.read_bytes() == old_bytes  # the old fingerprint is left alone
     assert len(list(d.iterdir())) == 2  # two fingerprint directories
+
+
+# ---------------------------------------------- other cache paths, restarted
+
+
+@pytest.mark.parametrize("arch,flags", [
+    # --kv-bits: served one by one (_serve_single), QuantizedKVCache entries
+    ("llama", ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]),
+    # sliding-window layers: stored entries past the window cannot be
+    # trimmed, so only those that are a prefix of the prompt restore (the
+    # server's prompt-segment entries)
+    ("gemma3_text", []),
+])
+def test_restart_restores(servers, tiny_model, tmp_path, arch, flags):
+    model = tiny_model(arch, head_dim=32)  # KV quantization groups of 32
+    d = tmp_path / "cache"
+    s = servers(model, d, tmp_path / "1.log", extra=flags).wait_ready()
+    cold = answer(s.chat(PROMPTS[0]))
+    s.stop()
+    assert entries(d)
+    s2 = servers(model, d, tmp_path / "2.log", extra=flags).wait_ready()
+    r = s2.chat(PROMPTS[0])
+    assert cached(r) > cold[0] + 20  # the prompt came from disk
+    assert "restored" in s2.text()
+    assert s2.healthy()
