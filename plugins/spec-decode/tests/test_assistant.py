@@ -436,3 +436,62 @@ def test_training_starts_from_the_targets_own_prediction(llama):
     cos = (out * h).sum() / (mx.linalg.norm(out) * mx.linalg.norm(h))
     assert cos.item() > 0.999
     assert mx.argmax(split[1](out), -1).item() == mx.argmax(split[1](h), -1).item()
+
+
+def test_mlx_lm_server_with_openai_client(tiny_model, llama, trained, tmp_path):
+    """mlx_lm.server --plugin spec-decode --drafter assistant: greedy answers
+    are the target's own, a repeated request is served from the prompt cache
+    (the drafter adds nothing to it) with the same text, usage carries the
+    figures, and sampling works."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from openai import OpenAI
+
+    model_path = tiny_model("llama")
+    model, tok = llama
+    d, *_ = trained
+    A.save(tmp_path / "a", d.net, d.cfg)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_path), "--host", "127.0.0.1", "--port",
+         str(port), "--plugin", "spec-decode", "--drafter", "assistant", "--drafter-path", str(tmp_path / "a"),
+         "--num-draft-tokens", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(proc.stdout.read() if proc.poll() is not None else "server did not start")
+                time.sleep(0.5)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+        msgs = [{"role": "user", "content": "one two three four five six seven eight nine ten"}]
+        r = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=20, temperature=0)
+        prompt = mx.array(tok.apply_chat_template(msgs, add_generation_prompt=True))
+        want = tok.decode(stock(model, prompt, 20)).strip()  # the server drops the leading space
+        assert r.choices[0].message.content.strip() == want
+        spec_usage = r.usage.model_dump()["speculative_decoding"]
+        assert spec_usage["drafter"] == "assistant" and spec_usage["drafted"] > 0
+        r2 = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=20, temperature=0)
+        assert r2.choices[0].message.content.strip() == want
+        assert r2.usage.model_dump()["prompt_tokens_details"]["cached_tokens"] > 0
+        r3 = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=12, temperature=0.8,
+                                            top_p=0.9)
+        assert r3.usage.model_dump()["speculative_decoding"]["emitted"] == r3.usage.completion_tokens
+    finally:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert "Speculative decoding (assistant): drafted" in out, out[-3000:]
