@@ -58,7 +58,7 @@ def stock_per_token(head, hidden, targets, softcap=None, logit_scale=None):
     return ce if rows is None else ce[:rows]
 
 
-def chunked_per_token(head, hidden, targets, softcap=None, logit_scale=None, token_chunk=1024):
+def chunked_per_token(head, hidden, targets, softcap=None, logit_scale=None, token_chunk=256):
     """Exact per-token loss of a callable head, token chunk by token chunk."""
     call = head.module
     owner = _owner(call)
@@ -106,9 +106,9 @@ def linear_cross_entropy(
     reduction="mean",
     impl="auto",
     backend="auto",
-    token_chunk=1024,
+    token_chunk=256,
     vocab_chunk=0,
-    chunk_elements=1 << 20,
+    chunk_elements=1 << 18,
     filter_eps=None,
     block_skip_eps=None,
     with_grad=True,

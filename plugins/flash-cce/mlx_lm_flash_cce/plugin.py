@@ -5,8 +5,8 @@ defaults are applied in ``activate``):
 
 ``--cce-impl``          auto | flash | stock | chunked (default auto)
 ``--cce-backend``       auto or a backend name (default auto)
-``--cce-token-chunk``   tokens per pass (default 1024)
-``--cce-vocab-chunk``   vocabulary rows per block (default: 2**20 / token chunk)
+``--cce-token-chunk``   tokens per pass (default 256)
+``--cce-vocab-chunk``   vocabulary rows per block (default: 2**18 / token chunk)
 ``--cce-filter-eps``    approximate: skip gradient tiles below eps (default off)
 ``--cce-block-skip-eps`` approximate: skip vocabulary blocks below eps (default off)
 ``--cce-crossover``     logits (tokens x vocab) below which the stock-style
@@ -23,7 +23,7 @@ NAME = "flash-cce"
 DEFAULTS = {
     "cce_impl": "auto",
     "cce_backend": "auto",
-    "cce_token_chunk": 1024,
+    "cce_token_chunk": 256,
     "cce_vocab_chunk": 0,
     "cce_filter_eps": None,
     "cce_block_skip_eps": None,
@@ -48,9 +48,9 @@ def add_arguments(command, group):
     group.add_argument("--cce-backend", default=None, metavar="NAME",
                        help="loss backend: auto or a registered name, e.g. mlx (default auto)")
     group.add_argument("--cce-token-chunk", type=int, default=None, metavar="N",
-                       help="tokens per pass over the vocabulary (default 1024)")
+                       help="tokens per pass over the vocabulary (default 256)")
     group.add_argument("--cce-vocab-chunk", type=int, default=None, metavar="N",
-                       help="vocabulary rows per block (default: 2**20 / token chunk)")
+                       help="vocabulary rows per block (default: 2**18 / token chunk)")
     group.add_argument("--cce-filter-eps", type=float, default=None, metavar="EPS",
                        help="approximate gradient: skip 64x64 tiles whose softmax coefficients are all "
                             "below EPS (dense heads; default off, see the README's measurement)")

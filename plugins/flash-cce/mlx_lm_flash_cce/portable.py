@@ -38,9 +38,9 @@ FILTER_BLOCK = 64  # block_masked_mm's tile size for the gradient filter
 class Options(NamedTuple):
     softcap: Optional[float] = None
     logit_scale: Optional[float] = None
-    token_chunk: int = 1024
+    token_chunk: int = 256
     vocab_chunk: int = 0  # 0: chosen from chunk_elements
-    chunk_elements: int = 1 << 20  # token_chunk * vocab_chunk budget
+    chunk_elements: int = 1 << 18  # token_chunk * vocab_chunk budget
     with_grad: bool = True
     filter_eps: Optional[float] = None  # skip 64x64 gradient tiles below eps
     block_skip_eps: Optional[float] = None  # skip 64-wide vocab blocks below eps

@@ -29,7 +29,7 @@ def test_commands_and_flags_default_to_none():
 def test_options_apply_defaults_and_flags():
     opts = plugin.options_from(_parse())
     assert opts == {
-        "impl": "auto", "backend": "auto", "token_chunk": 1024, "vocab_chunk": 0, "filter_eps": None,
+        "impl": "auto", "backend": "auto", "token_chunk": 256, "vocab_chunk": 0, "filter_eps": None,
         "block_skip_eps": None, "min_flash_elements": None, "check": True,
     }
     opts = plugin.options_from(_parse("--cce-token-chunk", "256", "--cce-filter-eps", "1e-5", "--cce-no-check"))
