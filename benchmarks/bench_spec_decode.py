@@ -20,6 +20,7 @@ switch-off should keep ``ngram`` close to stock.
 """
 
 import argparse
+import json
 import sysconfig
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ from mlx_lm_ext import models
 from mlx_lm import load, stream_generate
 
 import mlx_lm_spec_decode as sd
+
+SHOW_TEXT = False
 
 
 def stdlib_function(module, name):
@@ -109,6 +112,8 @@ def bench(target, tok, drafters, max_tokens, select=None, repeats=2):
                 best[method] = max(best.get(method, (None, 0, 0)), run(target, tok, prompt, max_tokens, make(), k),
                                    key=lambda r: r[2])
         base_text, n, base_tps, _, _ = best["stock"]
+        if SHOW_TEXT:
+            print(f"--- {name}: stock output ---\n{base_text}\n---", flush=True)
         rows.append(dict(prompt=name, method="stock", tps=base_tps, ratio=1.0, accept="", tpf="1.00", same="-"))
         for method, make, k in drafters:
             text, n2, tps, _, st = best[method]
@@ -130,7 +135,11 @@ def main():
     p.add_argument("--only", nargs="*", help="substrings of prompt names to run")
     p.add_argument("--repeats", type=int, default=2, help="interleaved runs per method; the best counts")
     p.add_argument("--skip-q4-target", action="store_true")
+    p.add_argument("--json", default=None, help="also write every row to this file")
+    p.add_argument("--show-text", action="store_true", help="print stock's output per prompt")
     args = p.parse_args()
+    global SHOW_TEXT
+    SHOW_TEXT = args.show_text
 
     mlx_lm_ext.enable("spec-decode")
     f32, tok = load(models.build("smollm2-135m-f32", progress=False))
@@ -143,11 +152,17 @@ def main():
     print(f"# float32 target, {args.max_tokens} tokens, greedy, best of {args.repeats}\n", flush=True)
     rows = bench(f32, tok, drafters, args.max_tokens, args.only, args.repeats)
     print("\n" + table(rows) + "\n", flush=True)
+    out = dict(device=str(mx.default_device()), mlx=mx.__version__, max_tokens=args.max_tokens,
+               float32=rows)
     if not args.skip_q4_target:
-        print("# 4-bit target (drafting cannot pay off on this CPU; * = switched off)\n", flush=True)
+        why = "drafting cannot pay off on this CPU; " if mx.default_device() == mx.cpu else ""
+        print(f"# 4-bit target ({why}* = switched off)\n", flush=True)
         rows = bench(q4, tok, [("ngram", lambda: sd.NGramDrafter(), 3)], args.max_tokens,
                      args.only or ["edit code", "open: chat"], args.repeats)
         print("\n" + table(rows), flush=True)
+        out["q4"] = rows
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ measured against stock mlx-lm in the same run:
 import argparse
 import copy
 import gc
+import json
 import os
 import statistics
 import sys
@@ -32,6 +33,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+
+RESULTS = {}  # what --json writes
 
 
 def drop_pages(path):
@@ -155,6 +159,12 @@ def ttft_and_throughput(model, tok, key, work, n_tokens, repeats):
     ours_cold, stock_cold = best["ours_cold"], best["stock_cold"]
     ours_warm, stock_warm = best["ours_warm"], best["stock_warm"]
     raw = min(reads)
+    RESULTS["ttft"] = dict(
+        tokens=len(prompt), cold_prefill_s=cold, entry_bytes=entry_bytes, stock_bytes=stock_bytes,
+        restore_dropped_s=ours_cold[0], restore_cached_s=ours_warm[0],
+        stock_dropped_s=stock_cold[0], stock_cached_s=stock_warm[0],
+        read_s=raw, restore_read_dropped_s=ours_cold[1], stock_read_dropped_s=stock_cold[1],
+    )
 
     table(
         f"1. Time to first token, {len(prompt)}-token prompt (SmolLM2-135M float32)",
@@ -249,6 +259,8 @@ def itl(model, tok, key, work, big_cache, big_tokens, n, every, rounds):
                 written += s["written_bytes"]
                 pc.close(600)
     q = {k: (np.percentile(v, 50), np.percentile(v, 99), np.mean(v)) for k, v in results.items()}
+    RESULTS["itl"] = dict(entry_bytes=entry, written_bytes=written,
+                          **{f"{k}_{m}_s": v[i] for k, v in q.items() for i, m in enumerate(("p50", "p99", "mean"))})
     table(
         f"3. Decode inter-token latency, a {entry / 1e6:.0f} MB prompt cache inserted every "
         f"{every} tokens ({rounds} alternating rounds of {n} tokens; "
@@ -274,6 +286,7 @@ def main():
     p.add_argument("--only", choices=["ttft", "itl"], default=None, help="run one part")
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir on /tmp's disk)")
     p.add_argument("--model", default=None, help="model folder (default: smollm2-135m-f32)")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
 
     from mlx_lm import load
@@ -295,6 +308,9 @@ def main():
             big = synthetic_cache(model, args.tokens + 1)
         if args.only != "ttft":
             itl(model, tok, key, work, big, prompt, args.itl_tokens, args.every, args.rounds)
+    if args.json:
+        RESULTS.update(model=path, blas=blas, mlx=mx.__version__, device=str(mx.default_device()))
+        Path(args.json).write_text(json.dumps(RESULTS, indent=1, default=float))
 
 
 if __name__ == "__main__":
