@@ -13,6 +13,11 @@ Sections (pick with flags; default: --heads):
               loss, each in a fresh process.
 --crossover   loss + gradient time for short inputs: where the stock-style
               head stops being faster (sets api.MIN_FLASH_ELEMENTS).
+--gpu-table   (CUDA) the fused kernels vs the stock loss vs the pure-MLX
+              path: ms and peak MiB of loss + hidden-state gradient (frozen
+              head) at (N, V, H) = (8192, 151936, 2048), (8192, 262144,
+              2560), (8192, 151936, 4096), bf16 dense and 4-bit heads, plus
+              the fused forward alone.
 --filters     gradient error and time of the approximate options
               (filter_eps, block_skip_eps) on hidden states of real text
               from SmolLM2-135M (float32, dense tied head).
@@ -156,6 +161,85 @@ def print_heads(rows, header=True):
             s = (f"{s_t:8.3f} {f_t:8.3f} {f_t / s_t:6.2f} | {_mib(s_m)} {_mib(f_m)} {s_m / max(f_m, 1):7.1f} | "
                  f"{s_l:.5f} / {f_l:.5f}")
         print(f"{r['N']:>6} {r['V']:>7} {r['H']:>5} {r['dtype']:>8} {r['head']:>5} | {s}", flush=True)
+
+
+# ------------------------------------------------------------- gpu table
+
+GPU_SHAPES = [(8192, 151936, 2048), (8192, 262144, 2560), (8192, 151936, 4096)]
+
+
+def _time_only(fn, args, repeats):
+    """Min seconds of ``fn(*args)`` evaluated (no gradient): the fused forward alone."""
+    mx.eval(fn(*args))
+    _sync()
+    best = float("inf")
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        mx.eval(fn(*args))
+        _sync()
+        best = min(best, time.perf_counter() - tic)
+    return best
+
+
+def run_gpu_table(a, rows):
+    from mlx_lm_flash_cce import cuda, linear_cross_entropy
+
+    shapes = GPU_SHAPES
+    if a.shapes:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes]
+    frozen = {"weight": False}  # LoRA training: the head gets no gradient
+    print(f"\ngpu table: loss + hidden-state gradient, frozen head, min of {a.repeats} after {a.warmup} warm-up; "
+          "MiB = peak above the inputs")
+    print(f"{'N':>5} {'V':>7} {'H':>5} {'head':>5} {'method':>14} | {'ms':>7} {'x stock':>7} | {'MiB':>9} "
+          f"{'stock/this':>10} | loss")
+    for quantized in (False, True):
+        for n, v, h in shapes:
+            hidden, head, targets = head_case(n, v, h, mx.bfloat16, quantized)
+            kind = "q4" if quantized else "bf16"
+            if cuda.plan(head, hidden) != "cuda":
+                print(f"  kernels not used: {cuda.plan(head, hidden)}")
+
+            def stock(x):
+                logits = head(x) if quantized else x @ head.T
+                return nn.losses.cross_entropy(logits, targets).astype(mx.float32).mean()
+
+            methods = [
+                ("stock", stock, None),
+                ("fused cuda", lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="cuda",
+                                                              train=frozen), None),
+                ("pure-mlx", lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="mlx",
+                                                            train=frozen), None),
+                ("pure-mlx big", lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="mlx",
+                                                                train=frozen, token_chunk=8192,
+                                                                chunk_elements=1 << 26), 256),
+            ]
+            base = None
+            for name, fn, limit in methods:
+                if name.startswith("pure-mlx") and a.skip_mlx:
+                    continue
+                old = None
+                if limit:
+                    old = mx.set_memory_limit(mx.get_active_memory() + limit * 2**20)
+                try:
+                    t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
+                finally:
+                    if old is not None:
+                        mx.set_memory_limit(old)
+                if base is None:
+                    base = (t, m)
+                label = name + (f" (limit +{limit})" if limit else "")
+                rows.append({"N": n, "V": v, "H": h, "head": kind, "method": label, "seconds": t, "peak": m,
+                             "loss": value})
+                print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {label:>14} | {t * 1e3:7.1f} {t / base[0]:7.2f} | "
+                      f"{_mib(m)} {base[1] / max(m, 1):10.1f} | {value:.5f}", flush=True)
+            fwd = _time_only(lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="cuda",
+                                                            train=frozen), [hidden], a.repeats)
+            rows.append({"N": n, "V": v, "H": h, "head": kind, "method": "fused forward only", "seconds": fwd})
+            print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {'fused fwd only':>14} | {fwd * 1e3:7.1f} {fwd / base[0]:7.2f} |",
+                  flush=True)
+            del hidden, head, targets
+            gc.collect()
+            mx.clear_cache()
 
 
 # ------------------------------------------------------------- crossover
@@ -305,6 +389,8 @@ def main():
     p.add_argument("--step", action="store_true")
     p.add_argument("--crossover", action="store_true")
     p.add_argument("--filters", action="store_true")
+    p.add_argument("--gpu-table", action="store_true", help="CUDA: fused kernels vs stock vs pure-MLX")
+    p.add_argument("--skip-mlx", action="store_true", help="--gpu-table without the pure-MLX rows")
     p.add_argument("--shapes", nargs="*", help="NxVxH triples, e.g. 2048x49152x576")
     p.add_argument("--cpu-full", action="store_true", help="the issue's N and H on the CPU too")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
@@ -333,7 +419,7 @@ def main():
         return
     a.dtype = a.dtype or ("bfloat16" if on_gpu() else "float32")
     a.warmup = a.warmup if a.warmup is not None else (1 if on_gpu() else 0)
-    if not (a.heads or a.step or a.crossover or a.filters):
+    if not (a.heads or a.step or a.crossover or a.filters or a.gpu_table):
         a.heads = True
     blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled BLAS"
     print(f"mlx {mx.__version__}, device {mx.default_device()}"
@@ -342,6 +428,9 @@ def main():
     if a.heads:
         results["heads"] = []
         run_heads(a, results["heads"])
+    if a.gpu_table:
+        results["gpu_table"] = []
+        run_gpu_table(a, results["gpu_table"])
     if a.crossover:
         results["crossover"] = []
         run_crossover(a, results["crossover"])

@@ -10,7 +10,7 @@ priority; the pure-MLX ``"mlx"`` backend runs everywhere. A fused kernel
 without changing the public call.
 """
 
-from . import portable
+from . import cuda, portable
 
 _REGISTRY = {}
 
@@ -56,3 +56,4 @@ def resolve(name, head, opts):
 
 
 register("mlx", portable.per_token, priority=0)
+register("cuda", cuda.per_token, available=cuda.available, priority=10, supports=cuda.supports)

@@ -1,0 +1,22 @@
+#!/bin/bash
+# Device run for the fused CUDA kernels: smoke check, tests, benchmark table.
+# Expects MLX's CUDA wheels installed in /tmp/site (shared/docs/mlx-cuda.md).
+# Writes logs to $OUT. Usage (repo root): bash plugins/flash-cce/scripts/gpu_cuda.sh [smoke] [tests] [bench]
+set -u
+export PYTHONPATH=/tmp/site:$PWD:$PWD/plugins/flash-cce PYTHONUNBUFFERED=1 MLX_LM_EXT_CACHE=/tmp/mlxext
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+steps=${*:-smoke tests bench}
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+for step in $steps; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    smoke) timeout 150 python3 plugins/flash-cce/scripts/cuda_smoke.py 2>&1 | tee $OUT/smoke.log ;;
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 plugins/flash-cce/tests/test_cuda.py \
+             2>&1 | tee $OUT/tests.log | tail -40 ;;
+    parity) timeout 200 python3 -m pytest -q -p no:cacheprovider -x plugins/flash-cce/tests/test_parity.py \
+             plugins/flash-cce/tests/test_plugin.py -k "bfloat16 or doctor or heads_match" 2>&1 | tee $OUT/parity.log | tail -15 ;;
+    bench) timeout 300 python3 benchmarks/bench_flash_cce.py --gpu-table --repeats 3 --max-stock-bytes 1e11 \
+             --json $OUT/gpu-table.json 2>&1 | tee $OUT/bench.log ;;
+  esac
+done
+echo "=== done $(date +%T)"
