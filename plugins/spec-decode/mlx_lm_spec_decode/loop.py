@@ -72,12 +72,19 @@ class Controller:
     # A draft step costing this fraction of a plain target step or more cannot
     # pay off: a verify over 2+ tokens already costs more than one step.
     DRAFT_COST = 0.8
+    # The verify side of the same question: where a forward over w tokens
+    # costs nearly w plain steps (MLX's CPU kernel for quantized weights),
+    # even a drafter that is right this often gains nothing, so drafting
+    # stays off for the request instead of retrying after each back-off.
+    BEST_ACCEPT = 0.9
+    VERIFY_SAMPLES = 3  # verify rounds timed before this is judged
 
     def __init__(self, gamma, gmax, adaptive=True, auto_off=True):
         self.gmax = max(1, gmax)
         self.gamma = max(1, min(gamma, self.gmax))
         self.adaptive, self.auto_off = adaptive, auto_off
         self.spec = deque(maxlen=self.WINDOW)  # (seconds, tokens)
+        self.verify = deque(maxlen=8)  # (window width, seconds of the verify forward)
         self.plain = deque(maxlen=5)  # seconds per plain step
         # Time two plain steps first: every decision compares against them.
         self.probe = 2 if auto_off else 0
@@ -120,12 +127,38 @@ class Controller:
         self.timed = min(self.timed, 1)  # time one more draft on retry
         self.probe = 1
 
+    def best_gain(self, accept):
+        """Best tokens/s of drafting relative to plain decoding, over draft
+        lengths 1..gmax, if each draft token is right with probability
+        ``accept``; ``None`` until enough steps are timed.
+
+        The cost of a verify over w tokens is modelled as ``a + b * w`` plain
+        seconds, with b the cheapest marginal cost seen (other processes only
+        ever make a forward slower, so the fastest samples are the truest).
+        """
+        if len(self.plain) < 2 or len([w for w, _ in self.verify if w > 1]) < self.VERIFY_SAMPLES:
+            return None
+        p = min(self.plain)
+        b = max(0.0, min((t - p) / (w - 1) for w, t in self.verify if w > 1))
+        a = p - b
+        d = self.draft_step or 0.0
+        best = 0.0
+        for g in range(1, self.gmax + 1):
+            tokens = (1 - accept ** (g + 1)) / (1 - accept)
+            best = max(best, tokens * p / (a + b * (g + 1) + d * g))
+        return best
+
+    def verify_cannot_pay(self):
+        gain = self.best_gain(self.BEST_ACCEPT)
+        return gain is not None and gain < self.SLACK
+
     def update(self, k, a, dt):
         if k == 0:
             self.plain.append(dt)
             return
         self.rounds += 1
         self.spec.append((dt, a + 1))
+        self.verify.append((k + 1, dt - k * (self.draft_step or 0.0)))
         if self.adaptive:
             self.gamma = min(self.gamma + 2, self.gmax) if a == k else max(1, self.gamma - 1)
         if not self.auto_off:
@@ -140,6 +173,8 @@ class Controller:
             return
         plain = sorted(self.plain)[(len(self.plain) - 1) // 2]
         if self.draft_step is not None and self.draft_step >= self.DRAFT_COST * plain:
+            self._switch_off(for_good=True)
+        elif self.verify_cannot_pay():
             self._switch_off(for_good=True)
         elif len(self.plain) >= 2 and len(self.spec) >= self.need:
             spec = sum(t for t, _ in self.spec) / sum(n for _, n in self.spec)

@@ -264,3 +264,27 @@ def test_costly_drafter_is_switched_off_after_one_round(tiny_llama, repetitive_p
     assert out == stock(model, prompt, 40)
     s = last_stats()
     assert s.auto_off and s.draft_rounds <= 2 and s.accepted == s.drafted
+
+
+@pytest.mark.parametrize(
+    "verify_cost, off",
+    [
+        (lambda w: 0.7 + 0.3 * w, False),  # float32 on a CPU: 2 tokens cost 1.3 steps
+        (lambda w: 1.0, False),  # a GPU: the window is free
+        (lambda w: 0.1 + 0.95 * w, True),  # 4-bit on a CPU: w tokens cost ~w steps
+    ],
+)
+def test_verify_cost_model_switches_off_where_drafting_cannot_pay(verify_cost, off):
+    from mlx_lm_spec_decode.loop import Controller
+
+    ctl = Controller(3, 10)
+    ctl.update(0, 0, 1.0)
+    ctl.update(0, 0, 1.02)
+    for k, a in ((3, 3), (5, 1), (2, 2)):  # rounds that accept well
+        assert not ctl.switched_off
+        ctl.update(k, a, verify_cost(k + 1))
+    assert ctl.switched_off == off
+    if off:
+        assert ctl.off_for >= 1 << 30  # for good, not a back-off and retry
+    gain = ctl.best_gain(0.9)
+    assert (gain < ctl.SLACK) == off
