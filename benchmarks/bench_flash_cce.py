@@ -192,7 +192,7 @@ def run_gpu_table(a, rows):
           "MiB = peak above the inputs")
     print(f"{'N':>5} {'V':>7} {'H':>5} {'head':>5} {'method':>14} | {'ms':>7} {'x stock':>7} | {'MiB':>9} "
           f"{'stock/this':>10} | loss")
-    for quantized in (False, True):
+    for quantized in [k == "q4" for k in a.kinds]:
         for n, v, h in shapes:
             hidden, head, targets = head_case(n, v, h, mx.bfloat16, quantized)
             kind = "q4" if quantized else "bf16"
@@ -202,6 +202,10 @@ def run_gpu_table(a, rows):
             def stock(x):
                 logits = head(x) if quantized else x @ head.T
                 return nn.losses.cross_entropy(logits, targets).astype(mx.float32).mean()
+
+            def stock_dequantized(x):  # where MLX's quantized_matmul fails at this shape
+                w = mx.dequantize(head.weight, head.scales, head.biases, group_size=64, bits=4)
+                return nn.losses.cross_entropy(x @ w.T, targets).astype(mx.float32).mean()
 
             methods = [
                 ("stock", stock, None),
@@ -221,6 +225,13 @@ def run_gpu_table(a, rows):
                 if limit:
                     old = mx.set_memory_limit(mx.get_active_memory() + limit * 2**20)
                 try:
+                    t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
+                except RuntimeError as e:
+                    print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {name:>14} | failed: {str(e)[:120]}", flush=True)
+                    rows.append({"N": n, "V": v, "H": h, "head": kind, "method": name, "error": str(e)})
+                    if name != "stock" or not quantized:
+                        continue
+                    name, fn = "stock (deq.)", stock_dequantized
                     t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
                 finally:
                     if old is not None:
@@ -391,6 +402,8 @@ def main():
     p.add_argument("--filters", action="store_true")
     p.add_argument("--gpu-table", action="store_true", help="CUDA: fused kernels vs stock vs pure-MLX")
     p.add_argument("--skip-mlx", action="store_true", help="--gpu-table without the pure-MLX rows")
+    p.add_argument("--kinds", nargs="*", default=["bf16", "q4"], choices=["bf16", "q4"],
+                   help="--gpu-table heads (default both)")
     p.add_argument("--shapes", nargs="*", help="NxVxH triples, e.g. 2048x49152x576")
     p.add_argument("--cpu-full", action="store_true", help="the issue's N and H on the CPU too")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")

@@ -94,8 +94,29 @@ def timing(n, v, h, bits=0):
           f"bwd {cuda.bwd_splits(n, v)}", flush=True)
 
 
+def sweep(n=8192, v=151936, h=2048, bits=0):
+    """Time the kernels at several vocabulary-split counts (grid shapes)."""
+    fwd0, bwd0 = cuda.fwd_splits, cuda.bwd_splits
+    try:
+        for s in (2, 4, 9, 17):
+            cuda.fwd_splits = lambda n_, v_, s=s: s
+            cuda.bwd_splits = lambda n_, v_: 4
+            timing(n, v, h, bits)
+        for s in (1, 2, 3, 6, 8):
+            cuda.fwd_splits = fwd0
+            cuda.bwd_splits = lambda n_, v_, s=s: s
+            timing(n, v, h, bits)
+    finally:
+        cuda.fwd_splits, cuda.bwd_splits = fwd0, bwd0
+
+
 if __name__ == "__main__":
+    import sys
+
     print("mlx", mx.__version__, mx.default_device(), "cuda available:", cuda.available(), flush=True)
+    if "--sweep" in sys.argv:
+        sweep()
+        sys.exit(0)
     tic = time.perf_counter()
     case(300, 5003, 256)
     print(f"  (first call, with compilation: {time.perf_counter() - tic:.1f} s)")

@@ -11,12 +11,13 @@ for step in $steps; do
   echo "=== $step $(date +%T)"
   case $step in
     smoke) timeout 150 python3 plugins/flash-cce/scripts/cuda_smoke.py 2>&1 | tee $OUT/smoke.log ;;
-    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 plugins/flash-cce/tests/test_cuda.py \
+    sweep) timeout 60 python3 plugins/flash-cce/scripts/cuda_smoke.py --sweep 2>&1 | tee $OUT/sweep.log ;;
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rs --durations=5 --timeout=100 --timeout-method=thread plugins/flash-cce/tests/test_cuda.py \
              2>&1 | tee $OUT/tests.log | tail -40 ;;
-    parity) timeout 200 python3 -m pytest -q -p no:cacheprovider -x plugins/flash-cce/tests/test_parity.py \
-             plugins/flash-cce/tests/test_plugin.py -k "bfloat16 or doctor or heads_match" 2>&1 | tee $OUT/parity.log | tail -15 ;;
-    bench) timeout 300 python3 benchmarks/bench_flash_cce.py --gpu-table --repeats 3 --max-stock-bytes 1e11 \
-             --json $OUT/gpu-table.json 2>&1 | tee $OUT/bench.log ;;
+    parity) timeout ${PARITY_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider plugins/flash-cce/tests/test_parity.py \
+             plugins/flash-cce/tests/test_plugin.py -k "bfloat16 or doctor" 2>&1 | tee $OUT/parity.log | tail -15 ;;
+    bench) timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_flash_cce.py --gpu-table --repeats 3 \
+             --max-stock-bytes 1e11 --json $OUT/gpu-table.json ${BENCH_ARGS:-} 2>&1 | tee $OUT/bench.log ;;
   esac
 done
 echo "=== done $(date +%T)"

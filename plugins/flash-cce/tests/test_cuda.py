@@ -4,10 +4,14 @@ Runs only where MLX's CUDA backend has a GPU as the default device; skipped
 elsewhere. Every shape here is ragged: N is not a multiple of the kernels'
 128-token blocks and V not a multiple of 128 (or 512) vocabulary rows.
 
-Accuracy rule: both the kernels and the pure-MLX path see bf16/fp16
-inputs; each is compared with float32 math on the same (upcast) inputs, and
-the kernels' error must be within 1e-3 (loss) / the pure-MLX path's own
-error plus a bf16-sized tolerance (gradients).
+Accuracy rule: the kernels see bf16/fp16 inputs and are compared with
+float32 math on the same (upcast) inputs: relative L2 error at most 1e-4
+for the per-token loss (float32 logits inside the kernels) and 5e-3 for the
+hidden gradient (D and the gradient are rounded to bf16/fp16). For dense
+heads the pure-MLX path is measured the same way and the kernels must be no
+worse than it plus 5e-3. Quantized heads are not run through the pure-MLX
+path here: on the H200 MLX 0.32.4 JIT-compiles its own quantized matmul
+kernels for each group size and dtype, which took minutes per test.
 """
 
 import mlx.core as mx
@@ -53,22 +57,25 @@ def _loss_and_grad(fn, hidden):
     return per_token, grad
 
 
-def _check(head, weight32, hidden, targets, **opts):
-    """Kernels vs float32 reference, no worse than the pure-MLX path."""
+def _check(head, weight32, hidden, targets, compare_mlx=True, **opts):
+    """Kernels vs float32 reference (and no worse than the pure-MLX path)."""
     assert cuda.plan(head, hidden) == "cuda"
     ref_opts = {k: v for k, v in opts.items() if k in ("softcap", "logit_scale")}
     ref = _loss_and_grad(lambda x: _ref_ce(x.astype(mx.float32), weight32, targets, **ref_opts), hidden.astype(mx.float32))
     ours = _loss_and_grad(
         lambda x: linear_cross_entropy(x, head, targets, reduction="none", impl="flash", backend="cuda", **opts), hidden)
-    mlx = _loss_and_grad(
-        lambda x: linear_cross_entropy(x, head, targets, reduction="none", impl="flash", backend="mlx", **opts), hidden)
     assert ours[1].dtype == hidden.dtype
     for got in ours:
         assert not mx.isnan(got).any().item()
-    ce_err, g_err, g_mlx = _rel(ours[0], ref[0]), _rel(ours[1], ref[1]), _rel(mlx[1], ref[1])
-    assert ce_err <= 1e-3, ce_err
-    assert g_err <= g_mlx + 5e-3, (g_err, g_mlx)
-    return ce_err, g_err, g_mlx
+    ce_err, g_err = _rel(ours[0], ref[0]), _rel(ours[1], ref[1])
+    assert ce_err <= 1e-4, ce_err
+    assert g_err <= 5e-3, g_err
+    if compare_mlx:
+        mlx = _loss_and_grad(
+            lambda x: linear_cross_entropy(x, head, targets, reduction="none", impl="flash", backend="mlx", **opts),
+            hidden)
+        g_mlx = _rel(mlx[1], ref[1])
+        assert g_err <= g_mlx + 5e-3, (g_err, g_mlx)
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
@@ -88,7 +95,7 @@ def test_quantized_heads(bits, group, dtype):
     layer = nn.QuantizedLinear(256, 3001, bias=False, group_size=group, bits=bits)
     layer.weight, layer.scales, layer.biases = mx.quantize(weight, group_size=group, bits=bits)
     dense = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=group, bits=bits)
-    _check(layer, dense.astype(mx.float32), hidden, targets)
+    _check(layer, dense.astype(mx.float32), hidden, targets, compare_mlx=False)
 
 
 @pytest.mark.parametrize("opts", [{"softcap": 5.0}, {"logit_scale": 0.5}, {"softcap": 3.0, "logit_scale": 2.0}])
@@ -98,7 +105,7 @@ def test_softcap_and_logit_scale(opts):
     layer = nn.QuantizedLinear(192, 4099, bias=False, group_size=64, bits=4)
     layer.weight, layer.scales, layer.biases = mx.quantize(weight, group_size=64, bits=4)
     dense = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=64, bits=4)
-    _check(layer, dense.astype(mx.float32), hidden, targets, **opts)
+    _check(layer, dense.astype(mx.float32), hidden, targets, compare_mlx=False, **opts)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
