@@ -199,9 +199,15 @@ def _report(name, hidden, head, targets, options):
     logit_bytes = n_tok * vocab * hidden.dtype.size
     opts = portable.Options(**{k: v for k, v in options.items() if k in portable.Options._fields})
     nc, vc = portable.vocab_chunk_for(opts, n_tok, vocab)
+    how = f"works in [{nc}, {vc}] float32 blocks ({nc * vc * 4 / 2**20:.1f} MiB each)"
+    from . import backends, cuda
+
+    if options.get("backend", "auto") in ("auto", "cuda") and "cuda" in backends.available():
+        plan = cuda.plan(head, hidden.reshape(-1, hidden.shape[-1]))
+        how = "runs fused CUDA kernels" if plan == "cuda" else f"runs the pure-MLX path ({plan}) in [{nc}, {vc}] blocks"
     print(
         f"flash-cce: batch of {n_tok} tokens x {vocab} vocab: the stock loss holds "
         f"[{n_tok}, {vocab}] logits and their gradient ({2 * logit_bytes / 2**20:.0f} MiB and up); "
-        f"flash-cce works in [{nc}, {vc}] float32 blocks ({nc * vc * 4 / 2**20:.1f} MiB each)",
+        f"flash-cce {how}",
         flush=True,
     )

@@ -137,13 +137,14 @@ def test_auto_picks_the_kernels_and_falls_back():
     for x, head in ((f32[0], f32[1]), (f32[0], biased)):
         a = linear_cross_entropy(x, head, targets, impl="flash", backend="auto")
         b = linear_cross_entropy(x, head, targets, impl="flash", backend="mlx")
-        assert abs(a.item() - b.item()) <= 1e-6 * abs(b.item())
+        assert abs(a.item() - b.item()) <= 1e-5 * abs(b.item())
     # the unsupported hidden size 96 also falls back
     h96 = mx.random.normal((10, 96)).astype(mx.bfloat16)
     w96 = mx.random.normal((500, 96)).astype(mx.bfloat16)
     assert "multiple of 64" in cuda.plan(w96, h96)
-    a = linear_cross_entropy(h96, w96, targets[:10], impl="flash")
-    b = linear_cross_entropy(h96, w96, targets[:10], impl="flash", backend="mlx")
+    t96 = targets[:10] % 500  # in range for this 500-row head
+    a = linear_cross_entropy(h96, w96, t96, impl="flash")
+    b = linear_cross_entropy(h96, w96, t96, impl="flash", backend="mlx")
     assert abs(a.item() - b.item()) <= 1e-3 * abs(b.item())
 
 
