@@ -115,6 +115,7 @@ def linear_cross_entropy(
     min_flash_elements=None,
     dequantize=None,
     train=None,
+    elementwise=None,
 ):
     """Cross-entropy of ``head(hidden)`` against ``targets`` without ``[N, V]`` logits.
 
@@ -142,7 +143,9 @@ def linear_cross_entropy(
     vocabulary blocks whose softmax coefficients stay below eps (dense
     heads; the loss value stays exact). ``train``: for layer heads, which
     parts get gradients (``{"weight", "bias", "lora"}`` -> bool); by default
-    those the layer has trainable.
+    those the layer has trainable. ``elementwise`` (backend ``cuda-gemm``):
+    ``"kernel"`` (its CUDA row kernel), ``"mlx"`` (compiled MLX ops) or None
+    (the kernel on a CUDA GPU).
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
@@ -182,6 +185,7 @@ def linear_cross_entropy(
             filter_eps=filter_eps,
             block_skip_eps=block_skip_eps,
             dequantize=dequantize,
+            elementwise=elementwise,
         )
         ce = backends.resolve(backend, spec, opts)(spec, h, t, opts, train)
 

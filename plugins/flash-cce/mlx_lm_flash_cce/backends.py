@@ -10,7 +10,7 @@ priority; the pure-MLX ``"mlx"`` backend runs everywhere. A fused kernel
 without changing the public call.
 """
 
-from . import cuda, portable
+from . import cuda, cuda_gemm, portable
 
 _REGISTRY = {}
 
@@ -57,3 +57,8 @@ def resolve(name, head, opts):
 
 register("mlx", portable.per_token, priority=0)
 register("cuda", cuda.per_token, available=cuda.available, priority=10, supports=cuda.supports)
+# Big cuBLAS blocks (``cuda_gemm``): runs anywhere, but only on request until
+# an H200 run shows whether it beats the fused kernels there (then raise
+# its priority on CUDA); below "mlx" so that "auto" never picks it.
+register("cuda-gemm", cuda_gemm.per_token, available=cuda_gemm.available, priority=-1,
+         supports=cuda_gemm.supports)

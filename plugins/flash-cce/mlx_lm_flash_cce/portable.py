@@ -46,6 +46,7 @@ class Options(NamedTuple):
     block_skip_eps: Optional[float] = None  # skip 64-wide vocab blocks below eps
     compute_dtype: Optional[mx.Dtype] = None  # None: float32 on CPU, input dtype on GPU
     dequantize: Optional[bool] = None  # quantized heads: dense blocks (None: on the CPU)
+    elementwise: Optional[str] = None  # cuda-gemm backend: "kernel", "mlx" or None (auto)
 
 
 class _Static(NamedTuple):

@@ -1,0 +1,410 @@
+"""The ``cuda-gemm`` backend: big blocks, both products through ``mx.matmul``.
+
+The fused ``cuda`` kernels do three GEMM-sized passes with ``mma.sync``
+(~240 TFLOP/s); the stock loss does two through cuBLAS (650-790 TFLOP/s on
+an H200). This backend keeps cuBLAS for both products and bounds memory by
+working in ``[token_chunk, vocab_chunk]`` blocks (default 8192 x 8192),
+in one pass with online rescaling (as ``portable`` does):
+
+    z   = h_c @ W_v.T                       cuBLAS, compute dtype (bf16) in and out
+    m', a, l', P = step(z, m, l)            ONE fused elementwise step per block
+    acc = acc * a + (P @ W_v)               cuBLAS, bf16 operands; acc float32 [Tc, H]
+
+and at the end ``lse = m + log l`` and ``d = acc / l - dz_t W_t``, the
+hidden-state gradient per unit cotangent (the custom VJP multiplies it by
+the incoming cotangent). ``step`` is a small ``mx.fast.cuda_kernel`` on a
+CUDA GPU (``ROW_KERNEL``: one thread block per token row reads the bf16
+logits twice, from L2 the second time, and writes ``P`` once, ~6 bytes per
+logit) and an ``mx.compile``d MLX function elsewhere (or with
+``elementwise="mlx"``). Logits are rounded to the compute dtype by the
+matmul as in the stock loss; max, sum and the accumulator are float32.
+
+Memory: MLX evaluates asynchronously and on CUDA queues work far ahead of
+the GPU, freeing a block's buffers only when the GPU is done with it; every
+block's matmul input depends on the previous block's accumulators
+(``mx.depends``), so the loss is one chain, but that orders the work, it
+does not stop the queue from allocating ahead. ``mx.eval`` inside the loss
+is no way out: under ``mx.grad`` MLX retains the graph of what it
+evaluates (every block stays alive; measured on the CPU) and under
+``mx.compile`` it is an error. What bounds the memory on CUDA is MLX's own
+backpressure, ``mx.set_memory_limit``: above the limit the evaluator waits
+for queued work before it allocates more. ``bounded_memory(extra_mib)`` sets
+it for a ``with`` block (the benchmark's "limit" rows); on the CPU the
+backend allocates only ~100 operations ahead and needs nothing.
+
+Heads: dense (any float dtype) and quantized (rows dequantized per vocab
+block, then the same dense GEMMs). Heads with an output bias or LoRA, and
+callables, go to the pure-MLX backend. A trainable dense weight gets its
+gradient from the pure-MLX second sweep inside the VJP (lazy: free when the
+head is frozen). ``with_grad=False`` (loss only) skips ``P @ W``; a gradient
+asked for anyway then takes the pure-MLX sweep with this backend's blocks.
+"""
+
+import contextlib
+import logging
+from typing import NamedTuple, Optional
+
+import mlx.core as mx
+
+from . import heads as _heads
+from . import portable
+
+log = logging.getLogger(__name__)
+
+TOKEN_CHUNK = 8192  # used unless the caller sets vocab_chunk (then token_chunk, vocab_chunk)
+VOCAB_CHUNK = 8192
+ELEMENTWISE = ("auto", "kernel", "mlx")
+NEG_INF_BITS = "0xff800000"
+
+# One thread block per token row of a [rows, cols] logit block: max, then
+# exp / sum / P in a second read (the row is in L2 by then). Vectorized by
+# 16 bytes when the row length allows; scalar otherwise.
+ROW_HEADER = """
+namespace cce_rows {
+constexpr int NT = 256;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(""" + NEG_INF_BITS + """); }
+
+// scaled, soft-capped logit and d logit / d raw (scale <= 0 means none, cap <= 0 none)
+__device__ __forceinline__ float capped(float r, float scale, float cap, float* dz) {
+  float z = r * scale;
+  float d = scale;
+  if (cap > 0.f) {
+    float t = tanhf(z / cap);
+    z = cap * t;
+    d = scale * (1.f - t * t);
+  }
+  *dz = d;
+  return z;
+}
+
+__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
+  for (int o = 16; o > 0; o >>= 1) {
+    float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? fmaxf(v, w) : v + w;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < NT / 32 ? red[lane] : (is_max ? neg_inf() : 0.f);
+    for (int o = 16; o > 0; o >>= 1) {
+      float w = __shfl_xor_sync(0xffffffffu, v, o);
+      v = is_max ? fmaxf(v, w) : v + w;
+    }
+    if (lane == 0) red[32] = v;
+  }
+  __syncthreads();
+  float out = red[32];
+  __syncthreads();  // red is reused by the next reduction
+  return out;
+}
+
+template <typename T>
+__device__ void online_step(const T* z, const float* m, const float* l, const float* prm, int ncol,
+                            T* p, float* m_out, float* a_out, float* l_out) {
+  __shared__ float red[33];
+  constexpr int VEC = 16 / sizeof(T);
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const float scale = prm[0], cap = prm[1];
+  const T* zr = z + (size_t)row * ncol;
+  T* pr = p + (size_t)row * ncol;
+  const bool vec = (ncol % VEC) == 0;
+  const int nvec = vec ? ncol / VEC : 0;
+  float dz;
+
+  float mx = neg_inf();
+  if (vec) {
+    for (int c = tid; c < nvec; c += NT) {
+      uint4 u = reinterpret_cast<const uint4*>(zr)[c];
+      const T* x = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) mx = fmaxf(mx, capped(static_cast<float>(x[k]), scale, cap, &dz));
+    }
+  } else {
+    for (int c = tid; c < ncol; c += NT) mx = fmaxf(mx, capped(static_cast<float>(zr[c]), scale, cap, &dz));
+  }
+  mx = block_reduce(mx, red, true);
+  const float m_old = m[row];
+  const float m_new = fmaxf(m_old, mx);
+
+  float s = 0.f;
+  if (vec) {
+    for (int c = tid; c < nvec; c += NT) {
+      uint4 u = reinterpret_cast<const uint4*>(zr)[c];
+      const T* x = reinterpret_cast<const T*>(&u);
+      uint4 o;
+      T* y = reinterpret_cast<T*>(&o);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        float e = __expf(capped(static_cast<float>(x[k]), scale, cap, &dz) - m_new);
+        s += e;
+        y[k] = static_cast<T>(e * dz);
+      }
+      reinterpret_cast<uint4*>(pr)[c] = o;
+    }
+  } else {
+    for (int c = tid; c < ncol; c += NT) {
+      float e = __expf(capped(static_cast<float>(zr[c]), scale, cap, &dz) - m_new);
+      s += e;
+      pr[c] = static_cast<T>(e * dz);
+    }
+  }
+  s = block_reduce(s, red, false);
+  if (tid == 0) {
+    const float a = m_old == neg_inf() ? 0.f : __expf(m_old - m_new);
+    m_out[row] = m_new;
+    a_out[row] = a;
+    l_out[row] = l[row] * a + s;
+  }
+}
+}  // namespace cce_rows
+"""
+
+ROW_BODY = "cce_rows::online_step<T>(z, m, l, prm, z_shape[1], p, m_out, a_out, l_out);"
+
+_ROW_KERNEL = []
+
+
+def available():
+    """Pure MLX plus an optional CUDA kernel: runs on any device."""
+    return True
+
+
+def on_cuda():
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
+
+
+def supports(head, opts):
+    return head.kind in ("dense", "quantized") and head.bias is None and not head.has_lora
+
+
+@contextlib.contextmanager
+def bounded_memory(extra_mib):
+    """``mx.set_memory_limit(active + extra_mib)`` for the ``with`` block: MLX's backpressure."""
+    old = mx.set_memory_limit(int(mx.get_active_memory() + extra_mib * 2**20))
+    try:
+        yield
+    finally:
+        mx.set_memory_limit(old)
+
+
+class Config(NamedTuple):
+    kind: str
+    names: tuple
+    group_size: int
+    bits: int
+    mode: str
+    softcap: Optional[float]
+    logit_scale: Optional[float]
+    token_chunk: int
+    vocab_chunk: int
+    with_grad: bool
+    compute_dtype: mx.Dtype
+    kernel: bool  # the CUDA row kernel for the elementwise step (else compiled MLX)
+    train_weight: bool
+
+
+def _row_kernel():
+    if not _ROW_KERNEL:
+        _ROW_KERNEL.append(mx.fast.cuda_kernel(
+            name="flash_cce_online_rows",
+            input_names=["z", "m", "l", "prm"],
+            output_names=["p", "m_out", "a_out", "l_out"],
+            source=ROW_BODY,
+            header=ROW_HEADER,
+            ensure_row_contiguous=True,
+        ))
+    return _ROW_KERNEL[0]
+
+
+def kernel_step(z, m, l, softcap=None, logit_scale=None):
+    """The CUDA row kernel: ``(z, m, l) -> (m', a, l', P)`` with ``P`` in ``z``'s dtype."""
+    rows = z.shape[0]
+    prm = mx.array([1.0 if logit_scale is None else float(logit_scale), 0.0 if softcap is None else float(softcap)],
+                   dtype=mx.float32)
+    p, m_new, a, l_new = _row_kernel()(
+        inputs=[z, m, l, prm],
+        template=[("T", z.dtype)],
+        grid=(256 * rows, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[z.shape, (rows,), (rows,), (rows,)],
+        output_dtypes=[z.dtype, mx.float32, mx.float32, mx.float32],
+    )
+    return m_new, a, l_new, p
+
+
+_STEPS = {}
+
+
+def mlx_step(cfg):
+    """Compiled MLX version of ``kernel_step`` for ``cfg``'s soft cap and scale."""
+    key = ("step", cfg.softcap, cfg.logit_scale, cfg.with_grad)
+    if key not in _STEPS:
+
+        def step(z, m, l):
+            zf, dz = portable._cap(z.astype(mx.float32), cfg)
+            m_new = mx.maximum(m, zf.max(axis=1))
+            a = mx.exp(m - m_new)
+            e = mx.exp(zf - m_new[:, None])
+            l_new = l * a + e.sum(axis=1)
+            if not cfg.with_grad:
+                return m_new, a, l_new
+            return m_new, a, l_new, portable._times(e, dz).astype(z.dtype)
+
+        _STEPS[key] = mx.compile(step)
+    return _STEPS[key]
+
+
+def _accumulate(acc, a, pw):
+    return acc * a[:, None] + pw.astype(mx.float32)
+
+
+_ACCUMULATE = mx.compile(_accumulate)
+
+
+def _rows(cfg, arrays, v0, v1):
+    """Head rows ``[v0, v1)`` as a dense block of the compute dtype (quantized: dequantized)."""
+    head = _heads.Head(kind=cfg.kind, group_size=cfg.group_size, bits=cfg.bits, mode=cfg.mode)
+    return _heads.gather_rows(head, arrays, slice(v0, v1), cfg.compute_dtype)
+
+
+def _forward(cfg, h, t, arrays):
+    n_tok, vocab = h.shape[0], arrays["weight"].shape[0]
+    cd = cfg.compute_dtype
+    nc, vc = cfg.token_chunk, cfg.vocab_chunk
+    step = None if cfg.kernel else mlx_step(cfg)
+    head = _heads.Head(kind=cfg.kind, group_size=cfg.group_size, bits=cfg.bits, mode=cfg.mode)
+    ces, lses, ds = [], [], []
+    gate = []
+    for n0 in range(0, n_tok, nc):
+        n1 = min(n0 + nc, n_tok)
+        hc = h[n0:n1].astype(cd)
+        m = mx.full((n1 - n0,), -mx.inf, dtype=mx.float32)
+        l = mx.zeros((n1 - n0,), dtype=mx.float32)
+        acc = mx.zeros((n1 - n0, h.shape[1]), dtype=mx.float32) if cfg.with_grad else None
+        for v0 in range(0, vocab, vc):
+            v1 = min(v0 + vc, vocab)
+            x = mx.depends(hc, gate) if gate else hc
+            w = _rows(cfg, arrays, v0, v1)
+            z = x @ w.T
+            if cfg.kernel:
+                m, a, l, p = kernel_step(z, m, l, cfg.softcap, cfg.logit_scale)
+            elif cfg.with_grad:
+                m, a, l, p = step(z, m, l)
+            else:
+                m, a, l = step(z, m, l)
+            if cfg.with_grad:
+                acc = _ACCUMULATE(acc, a, p @ w)
+                gate = [acc, l]
+            else:
+                gate = [l]
+        lse = m + mx.log(l)
+        tc = t[n0:n1]
+        wt = _heads.gather_rows(head, arrays, tc, mx.float32)
+        zt, dzt = portable._cap((hc.astype(mx.float32) * wt).sum(axis=1), cfg)
+        ces.append(lse - zt)
+        lses.append(lse)
+        if cfg.with_grad:
+            d = acc * (1 / l)[:, None] - portable._times(wt, dzt)
+            ds.append(d.astype(h.dtype))
+            gate = [ds[-1]]
+        else:
+            gate = [ces[-1]]
+    cat = lambda xs: mx.concatenate(xs) if len(xs) > 1 else xs[0]  # noqa: E731
+    outs = [cat(ces), cat(lses)]
+    if cfg.with_grad:
+        outs.append(cat(ds))
+    return outs
+
+
+def _static(cfg, train_weight, with_grad):
+    """The pure-MLX sweep's configuration with this backend's blocks."""
+    return portable._Static(
+        kind=cfg.kind, names=cfg.names, group_size=cfg.group_size, bits=cfg.bits, mode=cfg.mode,
+        has_lora=False, train_weight=train_weight, train_bias=False, train_lora=False,
+        softcap=cfg.softcap, logit_scale=cfg.logit_scale, token_chunk=cfg.token_chunk,
+        vocab_chunk=cfg.vocab_chunk, with_grad=with_grad, filter_eps=None, block_skip_eps=None,
+        compute_dtype=cfg.compute_dtype, dequantize=True,
+    )
+
+
+_CORES = {}
+
+
+def _core(cfg):
+    if cfg in _CORES:
+        return _CORES[cfg]
+
+    @mx.custom_function
+    def core(h, t, *values):
+        return tuple(_forward(cfg, h, t, dict(zip(cfg.names, values))))
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        h, t, *values = primals
+        arrays = dict(zip(cfg.names, values))
+        dce = cotangents[0]
+        u = mx.zeros((h.shape[0], 0), dtype=h.dtype)
+        dhead = None
+        if cfg.with_grad:
+            dh = (dce[:, None].astype(mx.float32) * outputs[2]).astype(h.dtype)
+            if cfg.train_weight:
+                _, _, dhead = portable._sweep(_static(cfg, True, False), h, t, u, arrays, outputs[1], dce,
+                                              need_dh=False)
+        else:
+            dh, _, dhead = portable._sweep(_static(cfg, cfg.train_weight, False), h, t, u, arrays, outputs[1],
+                                           dce, need_dh=True)
+            dh = dh.astype(h.dtype)
+        grads = [dh, mx.zeros_like(t)]
+        for i, v in enumerate(values):
+            grads.append(dhead.astype(v.dtype) if i == 0 and dhead is not None else mx.zeros_like(v))
+        return tuple(grads)
+
+    _CORES[cfg] = core
+    return core
+
+
+def blocks(opts, n_tok, vocab):
+    """``(token_chunk, vocab_chunk)``: the caller's when it set ``vocab_chunk``, else 8192 x 8192."""
+    if opts.vocab_chunk:
+        nc, vc = opts.token_chunk, opts.vocab_chunk
+    else:
+        nc, vc = TOKEN_CHUNK, VOCAB_CHUNK
+    return max(1, min(nc, n_tok)), max(1, min(vc, vocab))
+
+
+def use_kernel(opts, dtype):
+    """The CUDA row kernel for the elementwise step? (``opts.elementwise``: auto/kernel/mlx)."""
+    how = getattr(opts, "elementwise", None) or "auto"
+    if how not in ELEMENTWISE:
+        raise ValueError(f"elementwise must be one of {', '.join(ELEMENTWISE)}, got {how!r}")
+    if how == "mlx":
+        return False
+    ok = on_cuda() and dtype in (mx.bfloat16, mx.float16, mx.float32)
+    if how == "kernel" and not ok:
+        raise ValueError("elementwise='kernel' needs MLX's CUDA backend with a GPU as the default device")
+    return ok
+
+
+def per_token(head, hidden, targets, opts, train=None):
+    """Backend entry (see ``backends``): big cuBLAS blocks, or the pure-MLX path."""
+    if not supports(head, opts):
+        log.debug("flash-cce cuda-gemm backend: %s head%s; using the pure-MLX path", head.kind,
+                  " with bias or LoRA" if head.kind != "module" else "")
+        return portable.per_token(head, hidden, targets, opts, train)
+    if opts.filter_eps is not None or opts.block_skip_eps is not None:
+        log.debug("flash-cce cuda-gemm backend: gradient filters are not supported; using the pure-MLX path")
+        return portable.per_token(head, hidden, targets, opts, train)
+    names, values = _heads.head_arrays(head)
+    nc, vc = blocks(opts, hidden.shape[0], head.vocab)
+    cd = portable._compute_dtype(opts, hidden.dtype)
+    train = train or {}
+    cfg = Config(
+        kind=head.kind, names=tuple(names), group_size=head.group_size, bits=head.bits, mode=head.mode,
+        softcap=opts.softcap, logit_scale=opts.logit_scale, token_chunk=nc, vocab_chunk=vc,
+        with_grad=opts.with_grad, compute_dtype=cd, kernel=opts.with_grad and use_kernel(opts, cd),
+        train_weight=head.kind == "dense" and bool(train.get("weight", True)),
+    )
+    return _core(cfg)(hidden, targets.astype(mx.int32), *values)[0]
