@@ -14,10 +14,11 @@ Sections (pick with flags; default: --heads):
 --crossover   loss + gradient time for short inputs: where the stock-style
               head stops being faster (sets api.MIN_FLASH_ELEMENTS).
 --gpu-table   (CUDA) the fused kernels vs the stock loss vs the pure-MLX
-              path: ms and peak MiB of loss + hidden-state gradient (frozen
-              head) at (N, V, H) = (8192, 151936, 2048), (8192, 262144,
-              2560), (8192, 151936, 4096), bf16 dense and 4-bit heads, plus
-              the fused forward alone.
+              path vs the cuda-gemm backend (big cuBLAS blocks; block sizes
+              and memory limits from --gemm-configs): ms and peak MiB of
+              loss + hidden-state gradient (frozen head) at (N, V, H) =
+              (8192, 151936, 2048), (8192, 262144, 2560), (8192, 151936,
+              4096), bf16 dense and 4-bit heads, plus the fused forward alone.
 --filters     gradient error and time of the approximate options
               (filter_eps, block_skip_eps) on hidden states of real text
               from SmolLM2-135M (float32, dense tied head).
@@ -166,6 +167,8 @@ def print_heads(rows, header=True):
 # ------------------------------------------------------------- gpu table
 
 GPU_SHAPES = [(8192, 151936, 2048), (8192, 262144, 2560), (8192, 151936, 4096)]
+# cuda-gemm rows: blocks, optional memory limit (MLX's backpressure on CUDA, see cuda_gemm.py)
+GEMM_CONFIGS = ("8192x8192", "8192x8192@512", "4096x8192@256", "8192x16384@1024", "mlx:8192x8192@512")
 
 
 def _time_only(fn, args, repeats):
@@ -179,6 +182,24 @@ def _time_only(fn, args, repeats):
         _sync()
         best = min(best, time.perf_counter() - tic)
     return best
+
+
+def gemm_method(config, head, targets, frozen):
+    """A ``cuda-gemm`` row from ``[mlx:]TCxVC[@LIMIT_MIB]`` (mlx: the MLX elementwise step, not the kernel)."""
+    from mlx_lm_flash_cce import linear_cross_entropy
+
+    elementwise = None
+    if config.startswith("mlx:"):
+        elementwise, config = "mlx", config[4:]
+    blocks, _, limit = config.partition("@")
+    tc, vc = (int(x) for x in blocks.split("x"))
+    name = f"cuda-gemm{' mlx-ew' if elementwise else ''} {tc}x{vc}"
+
+    def fn(x):
+        return linear_cross_entropy(x, head, targets, impl="flash", backend="cuda-gemm", train=frozen,
+                                    token_chunk=tc, vocab_chunk=vc, elementwise=elementwise)
+
+    return name, fn, int(limit) if limit else None
 
 
 def run_gpu_table(a, rows):
@@ -216,18 +237,18 @@ def run_gpu_table(a, rows):
                 ("pure-mlx big", lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="mlx",
                                                                 train=frozen, token_chunk=8192,
                                                                 chunk_elements=1 << 26), 256),
-            ]
+            ] + [gemm_method(c, head, targets, frozen) for c in a.gemm_configs]
             base = None
             for name, fn, limit in methods:
-                if name.startswith("pure-mlx") and a.skip_mlx:
+                if name.startswith("pure-mlx") and a.skip_mlx or name == "fused cuda" and a.skip_fused:
                     continue
                 old = None
                 if limit:
                     old = mx.set_memory_limit(mx.get_active_memory() + limit * 2**20)
                 try:
                     t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
-                except RuntimeError as e:
-                    print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {name:>14} | failed: {str(e)[:120]}", flush=True)
+                except Exception as e:  # noqa: BLE001 (a kernel that fails to build is one failed row)
+                    print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {name:>14} | failed: {str(e)[:300]}", flush=True)
                     rows.append({"N": n, "V": v, "H": h, "head": kind, "method": name, "error": str(e)})
                     if name != "stock" or not quantized:
                         continue
@@ -243,6 +264,11 @@ def run_gpu_table(a, rows):
                              "loss": value})
                 print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {label:>14} | {t * 1e3:7.1f} {t / base[0]:7.2f} | "
                       f"{_mib(m)} {base[1] / max(m, 1):10.1f} | {value:.5f}", flush=True)
+            if a.skip_fused:
+                del hidden, head, targets
+                gc.collect()
+                mx.clear_cache()
+                continue
             fwd = _time_only(lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="cuda",
                                                             train=frozen), [hidden], a.repeats)
             rows.append({"N": n, "V": v, "H": h, "head": kind, "method": "fused forward only", "seconds": fwd})
@@ -402,6 +428,10 @@ def main():
     p.add_argument("--filters", action="store_true")
     p.add_argument("--gpu-table", action="store_true", help="CUDA: fused kernels vs stock vs pure-MLX")
     p.add_argument("--skip-mlx", action="store_true", help="--gpu-table without the pure-MLX rows")
+    p.add_argument("--skip-fused", action="store_true", help="--gpu-table without the fused-kernel rows")
+    p.add_argument("--gemm-configs", nargs="*", default=list(GEMM_CONFIGS),
+                   help="--gpu-table cuda-gemm rows: [mlx:]TOKENSxVOCAB[@LIMIT_MIB] each "
+                        "(mlx: MLX elementwise step; @: mx.set_memory_limit(inputs + LIMIT MiB)); none: no rows")
     p.add_argument("--kinds", nargs="*", default=["bf16", "q4"], choices=["bf16", "q4"],
                    help="--gpu-table heads (default both)")
     p.add_argument("--shapes", nargs="*", help="NxVxH triples, e.g. 2048x49152x576")

@@ -263,6 +263,19 @@ def _accumulate(acc, a, pw):
 
 _ACCUMULATE = mx.compile(_accumulate)
 
+_FINISHES = {}
+
+
+def _finish(acc, l, wt, dzt, dtype):
+    """``acc / l - dz_t * W_t`` in ``dtype``: the hidden gradient per unit cotangent (fused)."""
+    if dtype not in _FINISHES:
+
+        def finish(acc, l, wt, dzt):
+            return (acc * (1 / l)[:, None] - wt.astype(mx.float32) * dzt[:, None]).astype(dtype)
+
+        _FINISHES[dtype] = mx.compile(finish)
+    return _FINISHES[dtype](acc, l, wt, dzt)
+
 
 def _rows(cfg, arrays, v0, v1):
     """Head rows ``[v0, v1)`` as a dense block of the compute dtype (quantized: dequantized)."""
@@ -301,14 +314,17 @@ def _forward(cfg, h, t, arrays):
             else:
                 gate = [l]
         lse = m + mx.log(l)
-        tc = t[n0:n1]
-        wt = _heads.gather_rows(head, arrays, tc, mx.float32)
-        zt, dzt = portable._cap((hc.astype(mx.float32) * wt).sum(axis=1), cfg)
+        # The target's logit as the blocks saw it (a product rounded to the
+        # compute dtype) and its head row, without [Tc, H] float32 temporaries.
+        wt = _heads.gather_rows(head, arrays, t[n0:n1], cd)
+        rt = (hc[:, None, :] @ wt[:, :, None])[:, 0, 0].astype(mx.float32)
+        zt, dzt = portable._cap(rt, cfg)
         ces.append(lse - zt)
         lses.append(lse)
         if cfg.with_grad:
-            d = acc * (1 / l)[:, None] - portable._times(wt, dzt)
-            ds.append(d.astype(h.dtype))
+            if not isinstance(dzt, mx.array):
+                dzt = mx.full(rt.shape, 1.0 if dzt is None else dzt, dtype=mx.float32)
+            ds.append(_finish(acc, l, wt, dzt, h.dtype))
             gate = [ds[-1]]
         else:
             gate = [ces[-1]]

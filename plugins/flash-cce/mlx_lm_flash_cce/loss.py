@@ -205,6 +205,11 @@ def _report(name, hidden, head, targets, options):
     if options.get("backend", "auto") in ("auto", "cuda") and "cuda" in backends.available():
         plan = cuda.plan(head, hidden.reshape(-1, hidden.shape[-1]))
         how = "runs fused CUDA kernels" if plan == "cuda" else f"runs the pure-MLX path ({plan}) in [{nc}, {vc}] blocks"
+    elif options.get("backend") == "cuda-gemm":
+        from . import cuda_gemm
+
+        nc, vc = cuda_gemm.blocks(opts, n_tok, vocab)
+        how = f"runs cuBLAS blocks of [{nc}, {vc}] logits (cuda-gemm backend)"
     print(
         f"flash-cce: batch of {n_tok} tokens x {vocab} vocab: the stock loss holds "
         f"[{n_tok}, {vocab}] logits and their gradient ({2 * logit_bytes / 2**20:.0f} MiB and up); "
