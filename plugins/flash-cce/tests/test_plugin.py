@@ -80,5 +80,6 @@ def test_doctor_reports_backend_and_probe():
     lines = dict(plugin.doctor())
     from mlx_lm_flash_cce import cuda
 
-    assert lines["backends"] == ("cuda, mlx" if cuda.available() else "mlx")
+    # cuda-gemm (pure MLX + an optional CUDA kernel) is available everywhere, picked only by name
+    assert lines["backends"] == ("cuda, mlx, cuda-gemm" if cuda.available() else "mlx, cuda-gemm")
     assert lines["quantized_matmul M=2,3"].startswith("ok on")
