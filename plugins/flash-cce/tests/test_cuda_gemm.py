@@ -183,7 +183,7 @@ needs_cuda = pytest.mark.skipif(not cuda_gemm.on_cuda(),
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("rows,cols", [(1, 7), (33, 1000), (64, 8192), (5, 4093)])
+@pytest.mark.parametrize("rows,cols", [(5, 4093), (64, 8192)], ids=["scalar", "vector"])  # row length % 8
 @pytest.mark.parametrize("opts", [{}, {"softcap": 5.0, "logit_scale": 0.7}], ids=["plain", "capped"])
 def test_row_kernel_matches_mlx_step(rows, cols, dtype, opts):
     k1, k2 = mx.random.split(mx.random.key(rows * cols), 2)
