@@ -168,7 +168,8 @@ def print_heads(rows, header=True):
 
 GPU_SHAPES = [(8192, 151936, 2048), (8192, 262144, 2560), (8192, 151936, 4096)]
 # cuda-gemm rows: blocks, optional memory limit (MLX's backpressure on CUDA, see cuda_gemm.py)
-GEMM_CONFIGS = ("8192x8192", "8192x8192@512", "4096x8192@256", "8192x16384@1024", "mlx:8192x8192@512")
+GEMM_CONFIGS = ("8192x8192", "8192x8192@512", "4096x8192@256", "2048x8192@128", "8192x16384@1024",
+                "mlx:8192x8192@512")
 
 
 def _time_only(fn, args, repeats):
