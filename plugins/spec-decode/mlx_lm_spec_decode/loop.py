@@ -77,7 +77,7 @@ class Controller:
     # even a drafter that is right this often gains nothing, so drafting
     # stays off for the request instead of retrying after each back-off.
     BEST_ACCEPT = 0.9
-    VERIFY_SAMPLES = 3  # verify rounds timed before this is judged
+    VERIFY_SAMPLES = 2  # verify rounds timed before this is judged
 
     def __init__(self, gamma, gmax, adaptive=True, auto_off=True):
         self.gmax = max(1, gmax)
@@ -160,7 +160,10 @@ class Controller:
         self.spec.append((dt, a + 1))
         self.verify.append((k + 1, dt - k * (self.draft_step or 0.0)))
         if self.adaptive:
-            self.gamma = min(self.gamma + 2, self.gmax) if a == k else max(1, self.gamma - 1)
+            # No growth before the verify cost is judged: a wide first window
+            # is what costs most where windows are not cheap.
+            grow = 2 if not self.auto_off or self.best_gain(self.BEST_ACCEPT) is not None else 0
+            self.gamma = min(self.gamma + grow, self.gmax) if a == k else max(1, self.gamma - 1)
         if not self.auto_off:
             return
         # Measure a plain step now and then: a draft model never yields one,
@@ -265,7 +268,9 @@ def speculative_generate_step(
             tok_arr, lp, hidden = nxt
             tok = tok_arr.item()
             if t0 is not None:
-                ctl.update(0, 0, time.perf_counter() - t0)
+                now = time.perf_counter()
+                ctl.update(0, 0, now - t0)
+                t0 = now
             if context is not None:
                 context.append(tok)
             if hidden is not None:
@@ -283,6 +288,7 @@ def speculative_generate_step(
 
     counts = {"emitted": 0, "told": 0}
     warned = False
+    misses = 0  # drafting rounds in a row with nothing proposed
     start = _offset(target_cache)
     with mx.stream(stream):
         for s in range(0, len(tokens) - 1, prefill_step_size):
@@ -333,8 +339,14 @@ def speculative_generate_step(
                     ctl.drafted(drafts.size, time.perf_counter() - t0)
                 k = drafts.size
                 if k == 0:
-                    yield from plain(1, t0)
+                    # Nothing to propose: decode plainly, pipelined, for a
+                    # run that doubles while lookups keep failing (1, 2, 4, 8
+                    # tokens), so open text costs what mlx-lm's loop costs.
+                    # (A drafter reading hidden states is asked every step.)
+                    misses = 0 if drafter.needs_hidden else misses + 1
+                    yield from plain(min(1 << min(max(misses - 1, 0), 3), remaining), t0)
                     continue
+                misses = 0
                 window = mx.concatenate([mx.array([y], mx.uint32), drafts.astype(mx.uint32)])
                 logits, hidden = forward(window)
                 quantize(target_cache)

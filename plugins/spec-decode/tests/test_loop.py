@@ -280,7 +280,7 @@ def test_verify_cost_model_switches_off_where_drafting_cannot_pay(verify_cost, o
     ctl = Controller(3, 10)
     ctl.update(0, 0, 1.0)
     ctl.update(0, 0, 1.02)
-    for k, a in ((3, 3), (5, 1), (2, 2)):  # rounds that accept well
+    for k, a in ((3, 3), (3, 1)):  # rounds that accept well
         assert not ctl.switched_off
         ctl.update(k, a, verify_cost(k + 1))
     assert ctl.switched_off == off
@@ -288,3 +288,22 @@ def test_verify_cost_model_switches_off_where_drafting_cannot_pay(verify_cost, o
         assert ctl.off_for >= 1 << 30  # for good, not a back-off and retry
     gain = ctl.best_gain(0.9)
     assert (gain < ctl.SLACK) == off
+
+
+def test_nothing_to_propose_decodes_in_pipelined_runs(tiny_llama, repetitive_prompt):
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+
+    class Mute(NGramDrafter):  # a lookup that never matches (open text)
+        asked = 0
+
+        def draft(self, ctx, n):
+            Mute.asked += 1
+            return [], None
+
+    out = spec(model, Mute(auto_off=False), prompt, 40, k=3)
+    assert out == stock(model, prompt, 40)
+    # Runs of 1, 2, 4, 8, 8, ... tokens between lookups, not one per token.
+    assert Mute.asked <= 8
+    s = last_stats()
+    assert s.emitted == 40 and s.drafted == 0
