@@ -36,7 +36,9 @@ caches remember it), then ``prefill(ctx, prompt)``, then every
 drafter's caches, the sampling temperature and filters (``ctx.filter``), and,
 for drafters that set ``needs_hidden = True``, ``ctx.hidden``: the target's
 final hidden state (before the lm-head, ``[1, D]``) at the position that
-produced the last emitted token. That, with read access to
+produced the last emitted token (after the prefill: the last prompt position
+but one, whose state predicts the pending last prompt token; ``None`` for a
+one-token prompt). That, with read access to
 ``ctx.target_cache``, is what a KV-borrowing assistant drafter needs.
 
 Class attributes: ``name`` (shown in stats), ``max_draft`` (upper bound for

@@ -292,9 +292,17 @@ def speculative_generate_step(
     start = _offset(target_cache)
     with mx.stream(stream):
         for s in range(0, len(tokens) - 1, prefill_step_size):
-            model(mx.array(tokens[s : min(s + prefill_step_size, len(tokens) - 1)], mx.uint32)[None], cache=target_cache)
+            chunk = mx.array(tokens[s : min(s + prefill_step_size, len(tokens) - 1)], mx.uint32)[None]
+            if split is None:
+                model(chunk, cache=target_cache)
+            else:
+                # A drafter reading hidden states gets the state at the last
+                # prompt position (the one that predicts the pending token),
+                # so it drafts from the first step; nobody reads the prompt's
+                # logits, so the lm-head is skipped.
+                ctx.hidden = split[0](chunk, target_cache)[0, -1:]
             quantize(target_cache)
-            mx.eval([c.state for c in target_cache])
+            mx.eval([c.state for c in target_cache] + ([ctx.hidden] if ctx.hidden is not None else []))
         drafter.prefill(ctx, tokens)
         y = tokens[-1]
         try:

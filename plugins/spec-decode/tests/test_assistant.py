@@ -174,6 +174,87 @@ def test_training_forward_equals_drafting(tiny_model, arch, layers):
 # ----------------------------------------------------------------- the loop
 
 
+class StepRecorder:
+    """Stands in for the drafter's net: the same ``step``, its outputs kept."""
+
+    def __init__(self, net):
+        self.net, self.layers, self.outs = net, net.layers, []
+
+    def step(self, *args):
+        out = self.net.step(*args)
+        self.outs.append(out)
+        return out
+
+
+class Recording(A.AssistantDrafter):
+    """The drafter as the loop runs it, recording each round's base position,
+    pending token and per-step output states (left lazy, as the loop leaves
+    them until its verify)."""
+
+    def __init__(self, base):
+        self.__dict__.update(base.__dict__)
+        self.net = StepRecorder(base.net)
+        self.rounds = []
+
+    def draft(self, ctx, n):
+        base = ctx.target_cache[self.cfg.donors[-1]].offset
+        last = list(ctx.state.get("last") or [])
+        self.net.outs = []
+        toks, q = super().draft(ctx, n)
+        if self.net.outs:
+            self.rounds.append((base, last[0], list(self.net.outs), toks))
+        return toks, q
+
+
+def assert_drafts_are_the_training_graph(model, drafter, prompt, n=30, k=3):
+    """Every state the loop's drafter computed equals the training graph's
+    (``Assistant.unrolled`` over the final sequence, as train-drafter runs
+    it) at the same row and draft step, for every chain whose earlier
+    drafts were accepted. Returns the number of checks per draft step."""
+    rec = Recording(drafter)
+    out = spec(model, rec, prompt, n, k=k)
+    assert out == stock(model, prompt, n)
+    seq = prompt.tolist() + out
+    cfg = drafter.cfg
+    target = Target(model, cfg)
+    h, emb, kv, _, _ = target.run(mx.array([seq], mx.uint32))
+    graph = drafter.net.unrolled(h, emb, [(k_, v_, None) for k_, v_ in kv], target.ropes, cfg.windows,
+                                 drafter.max_draft)
+    model.unfreeze()
+    # The first draft comes right after the prefill: its state is the
+    # prefill's, at the last prompt position but one.
+    assert rec.rounds and rec.rounds[0][0] == len(prompt) - 1
+    checks = [0] * drafter.max_draft
+    for base, last, outs, toks in rec.rounds:
+        assert seq[base] == last  # the pending token is the one at the base row
+        toks = toks.tolist()
+        for s, o in enumerate(outs):
+            if toks[:s] != seq[base + 1 : base + 1 + s]:
+                break  # the chain left the sequence: nothing to compare with
+            want = graph[s][:, base + s : base + s + 1]
+            assert mx.allclose(o, want, atol=1e-4).item(), (base, s, mx.abs(o - want).max().item())
+            checks[s] += 1
+    assert checks[0] == len(rec.rounds)
+    return checks
+
+
+def test_loop_drafts_are_the_training_graph(llama, gemma, trained):
+    """Regression test for train/inference agreement: what the decode loop
+    drafts (positions, hidden state, pending token, donor rows, RoPE
+    offsets, own keys after rollbacks) is what training computes."""
+    model, tok = llama
+    d, prompt, *_ = trained
+    d = A.AssistantDrafter(model, d.net, d.cfg, auto_off=False)  # drafts every round, no timing probes
+    checks = assert_drafts_are_the_training_graph(model, d, prompt, 40)
+    assert checks[1] > 0 and checks[2] > 0  # accepted chains: later steps compared too
+    other = prompt_of(tok, "the quick brown fox jumps over the lazy dog")
+    assert_drafts_are_the_training_graph(model, d, other, 20)
+    model, tok = gemma  # sliding-window and full donors, two layers, random weights
+    fresh = fresh_drafter(model, layers=2, auto_off=False)
+    assert_drafts_are_the_training_graph(model, fresh, prompt_of(tok, "one two three"), 6, k=2)
+
+
+
 @pytest.mark.parametrize("layers", [1, 2])
 def test_greedy_parity_random_drafter(llama, layers):
     model, tok = llama

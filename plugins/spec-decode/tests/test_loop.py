@@ -201,12 +201,18 @@ def test_hidden_state_reaches_drafters_that_ask(tiny_llama, repetitive_prompt):
     prompt = repetitive_prompt(tok)
     d = HiddenProbe()
     out = spec(model, d, prompt, 4, k=2)
-    assert d.seen[0] is None  # nothing before the first target forward
-    # Before the second draft: the state at the last prompt position, the one
-    # whose logits produced out[0]; before the third, out[0]'s position.
-    for seen, seq in ((d.seen[1], prompt.tolist()), (d.seen[2], prompt.tolist() + out[:1])):
+    # Before the first draft: the prefill's state at the last prompt position
+    # but one (it predicts the pending last prompt token); before the second,
+    # the state at the last prompt position, whose logits produced out[0];
+    # before the third, out[0]'s position.
+    seqs = (prompt.tolist()[:-1], prompt.tolist(), prompt.tolist() + out[:1])
+    assert len(d.seen) >= 3
+    for seen, seq in zip(d.seen, seqs):
         want = model.model(mx.array(seq)[None])[0, -1:]
         assert mx.allclose(seen, want, atol=1e-4).item()
+    one = HiddenProbe()  # a one-token prompt has no state before its token
+    assert spec(model, one, prompt[:1], 3, k=2) == stock(model, prompt[:1], 3)
+    assert one.seen[0] is None and one.seen[1] is not None
 
 
 def test_gamma_adapts_and_auto_off_switches(tiny_llama, repetitive_prompt):
