@@ -6,7 +6,8 @@ mlx-lm measured in the same run, or the figure the issue names):
 
 - flash-cce: loss + hidden-state gradient at (N, V, H) = (8192, 151936, 2048)
   and (8192, 262144, 2560) (plus ``--flash-extra`` shapes), bf16 dense and
-  4-bit heads; ms and peak MiB vs stock's (``bench_flash_cce.py --heads``).
+  4-bit heads; ms and peak MiB of the fused kernels and the cuBLAS-block
+  path vs stock's (``bench_flash_cce.py --gpu-table``).
 - spec-decode: tokens/s per drafter vs stock greedy on the offline SmolLM2
   model (``bench_spec_decode.py``), and the assistant drafter when
   ``--drafter-path`` is given (``bench_assistant.py``).
@@ -52,12 +53,12 @@ def child(args, log, timeout):
 
 
 def run_all(a, out):
-    py = [str(HERE / "bench_flash_cce.py"), "--heads", "--repeats", "3"]
+    py = [str(HERE / "bench_flash_cce.py"), "--gpu-table", "--skip-mlx", "--max-stock-bytes", "1e11"]
     if "flash" not in a.skip:
         shapes = ["8192x151936x2048", "8192x262144x2560", *a.flash_extra]
-        for name, extra in (("flash-dense", []), ("flash-q4", ["--quantized"])):
-            child(py + ["--shapes", *shapes, "--json", str(out / f"{name}.json"), *extra],
-                  out / f"{name}.log", a.timeout)
+        for kind, extra in (("bf16", ["--repeats", "3"]), ("q4", ["--repeats", "2", "--gemm-configs", "8192x8192@512"])):
+            child(py + ["--kinds", kind, "--shapes", *shapes, "--json", str(out / f"flash-{kind}.json"), *extra],
+                  out / f"flash-{kind}.log", a.timeout)
     if "spec" not in a.skip:
         child([str(HERE / "bench_spec_decode.py"), "--max-tokens", str(a.max_tokens), "--repeats", "2",
                "--json", str(out / "spec.json")], out / "spec.log", a.timeout)
@@ -79,27 +80,32 @@ def load(path):
 
 
 def flash_rows(out):
+    """Rows of ``bench_flash_cce.py --gpu-table``: each method vs the stock
+    loss of the same shape and head (the first method of a group)."""
     rows = []
-    for name in ("flash-dense", "flash-q4"):
-        data = load(out / f"{name}.json") or {}
-        for r in data.get("heads", []):
-            shape = (r["N"], r["V"], r["H"])
-            stock = r.get("stock")
-            anchor = ANCHORS.get(shape) if r["head"] == "dense" else None
-            where = f"N={r['N']} V={r['V']} H={r['H']} {r['dtype']} {r['head']}"
-            for impl in ("fused", "flash"):  # the CUDA kernel, then the pure-MLX path
-                got = r.get(impl)
-                if not got:
-                    continue
-                ms, mib = 1e3 * got[0], got[1] / 2**20
-                label = "fused CUDA kernel" if impl == "fused" else "pure-MLX path"
-                vs = []
-                if stock:
-                    vs.append(f"stock {1e3 * stock[0]:.1f} ms / {stock[1] / 2**20:.0f} MiB: "
-                              f"{stock[0] / got[0]:.2f}x speed, {stock[1] / max(got[1], 1):.0f}x less memory")
-                if anchor:
-                    vs.append(f"issue anchor {anchor} ms: {'beats' if ms < anchor else 'misses'}")
-                rows.append(("flash-cce " + label, where, f"{ms:.1f} ms, {mib:.0f} MiB", "; ".join(vs) or "-"))
+    for kind in ("bf16", "q4"):
+        data = load(out / f"flash-{kind}.json") or {}
+        base = {}
+        for r in data.get("gpu_table", []):
+            key = (r["N"], r["V"], r["H"], r["head"])
+            where = f"N={r['N']} V={r['V']} H={r['H']} {r['head']}"
+            if "error" in r:
+                rows.append((f"flash-cce {r['method']}", where, "failed", r["error"][:80]))
+                continue
+            if r["method"].startswith("stock"):
+                base[key] = r
+            ms = 1e3 * r["seconds"]
+            got = f"{ms:.1f} ms" + (f", {r['peak'] / 2**20:.0f} MiB" if "peak" in r else "")
+            vs = []
+            b = base.get(key)
+            if b is not None and b is not r:
+                vs.append(f"{b['seconds'] / r['seconds']:.2f}x stock's speed")
+                if "peak" in r:
+                    vs.append(f"{b['peak'] / max(r['peak'], 1):.0f}x less memory")
+            anchor = ANCHORS.get(key[:3]) if r["head"] == "bf16" else None
+            if anchor and not r["method"].startswith("stock"):
+                vs.append(f"issue anchor {anchor} ms: {'beats' if ms < anchor else 'misses'}")
+            rows.append((f"flash-cce {r['method']}", where, got, "; ".join(vs) or "-"))
     return rows
 
 
@@ -156,7 +162,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for each benchmark's log and JSON")
     p.add_argument("--skip", nargs="*", default=[], choices=["flash", "spec", "ssd"])
-    p.add_argument("--flash-extra", nargs="*", default=["8192x151936x4096"], help="more NxVxH shapes")
+    p.add_argument("--flash-extra", nargs="*", default=[], help="more NxVxH shapes")
     p.add_argument("--ssd-tokens", type=int, nargs="*", default=[4096, 16384])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--drafter-path", default=None, help="a trained assistant drafter to include")
