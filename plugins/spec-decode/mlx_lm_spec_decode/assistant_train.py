@@ -13,7 +13,12 @@ donor keys a real draft from that position would read, and learns
   their input in place of the target's.
 
 Top-1 agreement (drafter argmax equals target argmax) is what greedy
-acceptance measures; the progress bar shows it for the first step.
+acceptance measures; the progress bar shows it for the first step. The
+figure on training batches is in-sample; the last ``--eval-rows`` rows of
+the text and of the generated chats are held out and evaluated at every
+checkpoint (``eval.jsonl``): held-out agreement on chats is what decoding
+open-ended answers measures (the decode loop computes exactly the training
+graph's numbers; ``test_loop_drafts_are_the_training_graph``).
 
 Why not the flash-cce loss: distillation needs the target's full
 distribution, so the ``[N, V]`` target logits exist anyway, and
@@ -28,7 +33,8 @@ its words), so the drafter also learns the target's chat register.
 Output folder: ``assistant.json`` + ``assistant.safetensors`` (the drafter,
 usable with ``--drafter assistant --drafter-path OUT`` at every checkpoint),
 ``data.safetensors`` (the tokenized training data, reused on resume),
-``checkpoint/`` (float32 weights, optimizer state, step) and ``log.jsonl``.
+``checkpoint/`` (float32 weights, optimizer state, step), ``log.jsonl``
+(every step) and ``eval.jsonl`` (held-out agreement at every checkpoint).
 Running the same command again resumes from the last checkpoint.
 """
 
@@ -61,6 +67,7 @@ DEFAULT_PATTERNS = "*.py,*.txt,*.md,*.rst"
 CKPT = "checkpoint"
 DATA_FILE = "data.safetensors"
 LOG_FILE = "log.jsonl"
+EVAL_FILE = "eval.jsonl"
 
 
 class TrainError(RuntimeError):
@@ -131,6 +138,9 @@ def read_corpus(tokenizer, path, patterns=DEFAULT_PATTERNS, max_tokens=None, pro
     return tokens, files
 
 
+# Chat prompts: tasks on passages of the data, and open-ended requests
+# (stories, letters, advice, explanations) on a word from it, so that the
+# answers cover the register of open chat, not only talk about code.
 TEMPLATES = [
     "Explain what the following code does:\n\n{passage}",
     "Summarize the following text in a few sentences:\n\n{passage}",
@@ -140,7 +150,17 @@ TEMPLATES = [
     "Give me three tips about {word}.",
     "Write a short story that mentions {word}.",
     "Describe {word} to a beginner.",
+    "Write a letter to a friend about {word}.",
+    "Write a short poem about {word}.",
+    "I want to learn about {word}. Where should I start, and why?",
+    "Explain {word} to a ten-year-old.",
+    "Write an email to a colleague about {word}.",
+    "What are the pros and cons of {word}?",
+    "Write a dialogue between two friends who disagree about {word}.",
+    "Tell me a story about a {word} that changed someone's life.",
 ]
+# Part of what makes the generated data: a change here remakes it.
+PROMPTS_VERSION = 2
 
 
 def chat_prompts(tokenizer, tokens, n, seed):
@@ -152,7 +172,7 @@ def chat_prompts(tokenizer, tokens, n, seed):
         tries += 1
         start = rng.randrange(0, max(1, len(tokens) - 120))
         passage = tokenizer.decode(tokens[start : start + rng.randint(40, 100)].tolist()).strip()
-        words = [w for w in re.findall(r"[A-Za-z]{5,14}", passage)]
+        words = re.findall(r"\b[a-z]{5,12}\b", passage) or re.findall(r"[A-Za-z]{5,14}", passage)
         template = TEMPLATES[len(prompts) % len(TEMPLATES)]
         if "{word}" in template and not words:
             continue
@@ -166,15 +186,20 @@ def chat_prompts(tokenizer, tokens, n, seed):
     return prompts
 
 
-def generate_chat(model, tokenizer, prompts, max_tokens, batch_size=64, progress=True):
-    """The target's greedy answers, as ``prompt + answer + EOS`` token lists."""
+def generate_chat(model, tokenizer, prompts, max_tokens, batch_size=64, progress=True, time_limit=None):
+    """The target's greedy answers, as ``prompt + answer + EOS`` token lists
+    (fewer than asked where ``time_limit`` seconds ran out)."""
     from mlx_lm.generate import batch_generate
     from tqdm import tqdm
 
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     out = []
     bar = tqdm(total=len(prompts), desc="generating", unit=" answers", disable=not progress, file=sys.stderr)
+    t0 = time.perf_counter()
     for s in range(0, len(prompts), batch_size):
+        if time_limit and s and time.perf_counter() - t0 >= time_limit:
+            print(f"--generate-time-limit {time_limit:g}s: {s} of {len(prompts)} answers", file=sys.stderr)
+            break
         part = prompts[s : s + batch_size]
         r = batch_generate(model, tokenizer, part, max_tokens=max_tokens, return_token_ids=True,
                            completion_batch_size=len(part), prefill_batch_size=min(len(part), 16))
@@ -309,16 +334,17 @@ def load_checkpoint(d, net, opt):
 
 RUN_KEYS = ("layers", "intermediate_size", "donors", "seq_len", "batch_size", "draft_steps", "lr", "steps",
             "warmup", "feature_weight", "seed", "generate", "generate_tokens", "chat_fraction", "max_data_tokens",
-            "patterns")
+            "patterns", "eval_rows")
 
 
-DATA_KEYS = ("data", "patterns", "max_data_tokens", "generate", "generate_tokens", "seed")
+DATA_KEYS = ("data", "patterns", "max_data_tokens", "generate", "generate_tokens", "generate_time_limit", "seed")
 
 
 def prepare_data(args, model, tokenizer, out, resuming):
     """Tokenized data, made once and saved so a resumed run reuses it."""
     f = out / DATA_FILE
-    made_by = json.dumps({k: str(getattr(args, k)) for k in DATA_KEYS}, sort_keys=True)
+    made_by = json.dumps({"prompts": PROMPTS_VERSION, **{k: str(getattr(args, k)) for k in DATA_KEYS}},
+                         sort_keys=True)
     if f.is_file():
         try:
             d, meta = mx.load(str(f), return_metadata=True)
@@ -336,7 +362,7 @@ def prepare_data(args, model, tokenizer, out, resuming):
         prompts = chat_prompts(tokenizer, tokens, args.generate, args.seed)
         t0 = time.perf_counter()
         seqs = generate_chat(model, tokenizer, prompts, args.generate_tokens, batch_size=args.generate_batch,
-                             progress=not args.quiet)
+                             progress=not args.quiet, time_limit=args.generate_time_limit)
         chat = np.concatenate([np.asarray(s, np.uint32) for s in seqs])
         print(f"generated: {len(seqs)} answers, {len(chat):,} tokens in {time.perf_counter() - t0:.0f}s",
               file=sys.stderr)
@@ -349,9 +375,21 @@ def prepare_data(args, model, tokenizer, out, resuming):
     return tokens, chat
 
 
+def held_out(rows, n):
+    """The last ``n`` rows (at most a tenth of them) kept out of training."""
+    n = min(n, len(rows) // 10)
+    return (rows[: len(rows) - n], rows[len(rows) - n :]) if n else (rows, None)
+
+
 def make_batches(args, corpus, chat):
-    rows = chunk(corpus, args.seq_len)
+    """The training batch of each step, the numbers of training rows, and
+    the held-out rows (``{"text": rows, "chat": rows}``, where there are enough)."""
+    rows, eval_text = held_out(chunk(corpus, args.seq_len), args.eval_rows)
     chat_rows = chunk(chat, args.seq_len) if chat is not None and len(chat) >= args.seq_len else None
+    eval_chat = None
+    if chat_rows is not None:
+        chat_rows, eval_chat = held_out(chat_rows, args.eval_rows)
+    evals = {k: mx.array(v.astype(np.uint32)) for k, v in (("text", eval_text), ("chat", eval_chat)) if v is not None}
     n_chat = 0 if chat_rows is None else min(args.batch_size, round(args.batch_size * args.chat_fraction))
     n_text = args.batch_size - n_chat
 
@@ -364,7 +402,21 @@ def make_batches(args, corpus, chat):
         b = np.concatenate(parts)
         return mx.array(b.astype(np.uint32))
 
-    return batch, len(rows), (0 if chat_rows is None else len(chat_rows))
+    return batch, len(rows), (0 if chat_rows is None else len(chat_rows)), evals
+
+
+def evaluate(net, target, evals, steps, feature_weight, rows=4):
+    """Top-1 agreement and cross-entropy per draft step on the held-out rows."""
+    out = {}
+    for name, x in evals.items():
+        accs, ces, n = 0.0, 0.0, 0
+        for s in range(0, x.shape[0], rows):
+            part = x[s : s + rows]
+            _, ce, acc = loss_fn(net, target, *target.run(part), steps, feature_weight)
+            mx.eval(ce, acc)
+            accs, ces, n = accs + acc * part.shape[0], ces + ce * part.shape[0], n + part.shape[0]
+        out[name] = {"top1": (accs / n).tolist(), "ce": (ces / n).tolist(), "rows": n}
+    return out
 
 
 def make_trainer(args, cfg, target, ckpt=None):
@@ -457,7 +509,7 @@ def train(args):
         cfg.target = saved.target
     target = Target(model, cfg, split)
     corpus, chat = prepare_data(args, model, tokenizer, out, resuming=ckpt is not None)
-    batch, n_rows, n_chat_rows = make_batches(args, corpus, chat)
+    batch, n_rows, n_chat_rows, evals = make_batches(args, corpus, chat)
 
     if args.steps == "auto":
         args.steps = run["steps"] = calibrate(args, cfg, target, batch)
@@ -467,10 +519,23 @@ def train(args):
         start = json.loads((ckpt / "state.json").read_text())["step"]
         print(f"resuming {out} at step {start}", file=sys.stderr)
     _truncate_log(out / LOG_FILE, start)  # steps logged after the checkpoint are redone
+    _truncate_log(out / EVAL_FILE, start)
     n_params = sum(v.size for _, v in tree_flatten(net.parameters()))
     print(f"assistant: {cfg.num_layers} layer(s), {n_params / 1e6:.2f}M parameters, donors {cfg.donors} "
           f"(of {len(make_prompt_cache(model))} caches); {n_rows} text + {n_chat_rows} chat sequences "
-          f"of {args.seq_len} tokens", file=sys.stderr)
+          f"of {args.seq_len} tokens; held out: "
+          + (", ".join(f"{v.shape[0]} {k}" for k, v in evals.items()) or "none (too little data)"), file=sys.stderr)
+
+    def checkpoint(step):
+        save_checkpoint(out, net, opt, step, meta())
+        A.save(out, net, cfg)
+        if evals:
+            res = evaluate(net, target, evals, args.draft_steps, args.feature_weight)
+            with open(out / EVAL_FILE, "a") as f:
+                f.write(json.dumps({"step": step, **res}) + "\n")
+            line = "; ".join(f"{k} " + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(r["top1"]))
+                             for k, r in res.items())
+            tqdm.write(f"step {step}: held-out top-1 agreement: {line}", file=sys.stderr)
 
     meta = lambda: {"run": run, "model": str(args.model), "data": str(args.data)}
     logf = open(out / LOG_FILE, "a")
@@ -506,23 +571,26 @@ def train(args):
                 stop = f"--stop-after {args.stop_after} steps"
                 break
             if step % args.save_every == 0 or now - last_save > 120:
-                save_checkpoint(out, net, opt, step, meta())
-                A.save(out, net, cfg)
-                last_save = now
+                checkpoint(step)
+                last_save = time.perf_counter()
     except KeyboardInterrupt:
         stop = "interrupted"
     finally:
         bar.close()
         logf.close()
-        if step > start:
-            save_checkpoint(out, net, opt, step, meta())
-            A.save(out, net, cfg)
+        if step > start and step != (_last_eval(out / EVAL_FILE) or {}).get("step"):
+            checkpoint(step)
     elapsed = time.perf_counter() - t0
     if step > start:
         tail = _tail_metrics(out / LOG_FILE, step)
         print(f"step {step}/{args.steps} in {elapsed:.0f}s ({(step - start) / max(elapsed, 1e-9):.2f} steps/s); "
               f"last 20 steps: loss {tail['loss']:.3f}, top-1 agreement "
               + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(tail["top1"])), file=sys.stderr)
+        ev = _last_eval(out / EVAL_FILE)
+        if ev and ev.get("step") == step:
+            print("held-out top-1 agreement (what decoding such text accepts): " + "; ".join(
+                f"{k} ({r['rows']} rows) " + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(r["top1"]))
+                for k, r in ev.items() if k != "step"), file=sys.stderr)
     if stop:
         print(f"stopped at step {step} ({stop}); run the same command again to continue", file=sys.stderr)
     print(f"drafter saved in {out} (use: --drafter assistant --drafter-path {out})", file=sys.stderr)
@@ -540,6 +608,17 @@ def _truncate_log(path, step):
         except (ValueError, KeyError, TypeError):
             pass  # a line cut short by a crash
     path.write_text("".join(x + "\n" for x in keep))
+
+
+def _last_eval(path):
+    """The last checkpoint's evaluation record, or None."""
+    if not path.is_file():
+        return None
+    lines = [x for x in path.read_text().splitlines() if x.strip()]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
 
 
 def _tail_metrics(path, step, n=20):
@@ -563,6 +642,8 @@ def add_arguments(p):
                    help="Also train on the target's greedy answers to this many chat prompts made from the data. Default: 0.")
     p.add_argument("--generate-tokens", type=int, default=256, help="Longest generated answer. Default: 256.")
     p.add_argument("--generate-batch", type=int, default=64, help="Answers generated at once. Default: 64.")
+    p.add_argument("--generate-time-limit", type=float, default=None,
+                   help="Stop generating after this many seconds (keeping the answers made). Default: none.")
     p.add_argument("--chat-fraction", type=float, default=0.5,
                    help="Share of each batch taken from the generated chats (with --generate). Default: 0.5.")
     p.add_argument("--layers", type=int, default=1, help="Drafter layers (1 or 2; up to 4). Default: 1.")
@@ -579,6 +660,9 @@ def add_arguments(p):
                    help="Chained draft steps trained from every position. Default: 3.")
     p.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW, cosine decay). Default: 1e-3.")
     p.add_argument("--warmup", type=int, default=100, help="Warm-up steps. Default: 100.")
+    p.add_argument("--eval-rows", type=int, default=8,
+                   help="Rows of text and of chats held out of training and evaluated at every checkpoint "
+                        "(at most a tenth of the data). Default: 8.")
     p.add_argument("--feature-weight", type=float, default=1.0,
                    help="Weight of the hidden-state regression loss. Default: 1.0.")
     p.add_argument("--seed", type=int, default=0, help="Seed for weights, data order and prompts. Default: 0.")
@@ -612,6 +696,8 @@ def _validate(args):
     for name in ("steps", "batch_size", "seq_len", "draft_steps", "save_every", "layers", "generate_batch"):
         if getattr(args, name) != "auto" and getattr(args, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.eval_rows < 0:
+        raise TrainError("--eval-rows must be 0 or more")
     if args.seq_len < args.draft_steps + 2:
         raise TrainError("--seq-len must exceed --draft-steps + 1")
     if not 0.0 <= args.chat_fraction <= 1.0:

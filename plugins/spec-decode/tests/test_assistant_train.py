@@ -8,15 +8,17 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from argparse import Namespace
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import load
 
 from mlx_lm_spec_decode import assistant as A
 from mlx_lm_spec_decode import last_stats, speculative_generate_step
-from mlx_lm_spec_decode.assistant_train import CKPT, DATA_FILE, LOG_FILE, main
+from mlx_lm_spec_decode.assistant_train import CKPT, DATA_FILE, EVAL_FILE, LOG_FILE, main, make_batches
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,25 @@ def test_resume_is_exact(tiny_model, data, tmp_path):
     prompt = mx.array(tok.encode("def decode(self, s):"))
     out = [t for t, _, _ in speculative_generate_step(prompt, target, d, num_draft_tokens=3, max_tokens=12)]
     assert len(out) == 12 and last_stats().drafter == "assistant"
+
+
+def test_held_out_rows_are_never_trained_on(tiny_model, data, tmp_path):
+    args = Namespace(seq_len=4, eval_rows=3, batch_size=4, chat_fraction=0.5, seed=0)
+    corpus = np.arange(200, dtype=np.uint32)  # 50 rows of text
+    chat = np.arange(1000, 1120, dtype=np.uint32)  # 30 rows of chats
+    batch, n_text, n_chat, evals = make_batches(args, corpus, chat)
+    assert (n_text, n_chat) == (47, 27) and evals["text"].shape == evals["chat"].shape == (3, 4)
+    held = {tuple(r) for x in evals.values() for r in x.tolist()}
+    seen = {tuple(r) for i in range(100) for r in batch(i).tolist()}
+    assert len(held) == 6 and not held & seen and len(seen) == 47 + 27
+    # Too little data: nothing held out rather than most of it.
+    assert make_batches(Namespace(**{**vars(args), "seq_len": 40}), corpus, None)[3] == {}
+
+    # A run evaluates them at its checkpoints (and at its end) and says so.
+    assert main(flags(tiny_model("llama"), data, tmp_path / "a", "--save-every", "4")) == 0
+    evs = [json.loads(x) for x in (tmp_path / "a" / EVAL_FILE).read_text().splitlines()]
+    assert [e["step"] for e in evs] == [4, 8]
+    assert evs[-1]["text"]["rows"] == 8 and len(evs[-1]["text"]["top1"]) == 2
 
 
 def test_changed_settings_and_bad_data_are_clear_errors(tiny_model, data, tmp_path, capsys):
