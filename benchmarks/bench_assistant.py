@@ -19,6 +19,15 @@ trainer's prompt templates). Tokens/s is generation only (mlx-lm's
 of every method. ``same`` says whether the text equals stock greedy's;
 ``accept`` is accepted/drafted, ``tok/fwd`` tokens per target forward.
 ``--json FILE`` also writes every row and the summary.
+
+``--check``: per prompt, the assistant decodes once more drafting every
+round (γ fixed, no auto-off), and every state it drafted is recomputed by
+the training graph (``Assistant.unrolled`` over the decoded sequence, the
+drafter's weights in float32 as ``train-drafter`` holds them). The table
+gives the graph's top-1 agreement with the target on the answer (what
+training measures, per draft step), the decode's first-draft acceptance,
+and how many drafted tokens differ from the graph's (0 unless decoding
+and training compute different things on this backend or dtype).
 """
 
 import argparse
@@ -38,6 +47,7 @@ from mlx_lm import load, stream_generate
 
 import mlx_lm_spec_decode as sd
 from mlx_lm_spec_decode import assistant
+from mlx_lm_spec_decode.assistant_train import Target
 
 
 def stdlib_function(module, name):
@@ -132,6 +142,83 @@ def summary(rows, methods):
     return "\n".join(out), result
 
 
+class _StepRecorder:
+    """Stands in for the drafter's net: the same ``step``, its outputs kept."""
+
+    def __init__(self, net):
+        self.net, self.layers, self.outs = net, net.layers, []
+
+    def step(self, *args):
+        out = self.net.step(*args)
+        self.outs.append(out)
+        return out
+
+
+class _Recording(assistant.AssistantDrafter):
+    """The drafter as the loop runs it; records each round's base position,
+    per-step states and drafts (left lazy, as the loop leaves them)."""
+
+    def __init__(self, base, k):
+        super().__init__(base.model, base.net, base.cfg, max_draft=k, adaptive=False, auto_off=False)
+        self.net = _StepRecorder(base.net)
+        self.rounds = []
+
+    def draft(self, ctx, n):
+        base = ctx.target_cache[self.cfg.donors[-1]].offset
+        self.net.outs = []
+        toks, q = super().draft(ctx, n)
+        if self.net.outs:
+            self.rounds.append((base, list(self.net.outs), toks))
+        return toks, q
+
+
+def graph_check(model, made, path, prompt, max_tokens, k):
+    """Decode drafting every round; recompute each drafted state with the training graph."""
+    rec = _Recording(made, k)
+    out = [t for t, _, _ in sd.speculative_generate_step(mx.array(prompt), model, rec, num_draft_tokens=k,
+                                                         max_tokens=max_tokens)]
+    st = sd.last_stats()
+    seq = list(prompt) + out
+    cfg = made.cfg
+    net = assistant.load_net(path, cfg)
+    net.set_dtype(mx.float32)  # as train-drafter holds it
+    target = Target(model, cfg)
+    h, emb, kv, _, top = target.run(mx.array([seq], mx.uint32))
+    graph = net.unrolled(h, emb, [(a, b, None) for a, b in kv], target.ropes, cfg.windows, k)
+    preds = [mx.argmax(target.head(g.astype(h.dtype)), axis=-1)[0].tolist() for g in graph]
+    model.unfreeze()
+    top = top[0].tolist()
+    agree = []
+    for s in range(k):  # rows whose next token is an answer token, from chains based in the answer
+        rows = range(len(prompt) - 1 + s, len(seq) - 1)
+        agree.append(sum(preds[s][r] == top[r] for r in rows) / max(1, len(rows)))
+    first_ok = compared = differ = 0
+    dmax = 0.0
+    for base, outs, toks in rec.rounds:
+        toks = toks.tolist()
+        first_ok += toks[0] == seq[base + 1]
+        for s, o in enumerate(outs):
+            if toks[:s] != seq[base + 1 : base + 1 + s] or base + s >= len(seq) - 1:
+                break
+            compared += 1
+            differ += toks[s] != preds[s][base + s]
+            dmax = max(dmax, mx.abs(o.astype(mx.float32) - graph[s][:, base + s : base + s + 1]).max().item())
+    n = len(rec.rounds)
+    return dict(graph_top1=agree, rounds=n, first_accept=first_ok / n if n else None,
+                accept=st.acceptance, compared=compared, differ=differ, max_state_diff=dmax)
+
+
+def check_table(rows):
+    out = ["| prompt | graph top-1 (step 1, 2, 3) | decode: first draft accepted | decode: accepted/drafted "
+           "| drafts compared | differ from graph | max state diff |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["check"]
+        fa = f"{100 * c['first_accept']:.0f}% of {c['rounds']}" if c["rounds"] else "-"
+        out.append(f"| {r['prompt']} | " + ", ".join(f"{100 * a:.0f}%" for a in c["graph_top1"])
+                   + f" | {fa} | {100 * c['accept']:.0f}% | {c['compared']} | {c['differ']} | {c['max_state_diff']:.2g} |")
+    return "\n".join(out)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--drafter-path", required=True, help="A trained assistant drafter folder for the target.")
@@ -146,6 +233,8 @@ def main():
     p.add_argument("--only", nargs="*", help="Substrings of prompt names or categories to run.")
     p.add_argument("--methods", default="ngram,draft-model,assistant", help="Comma-separated drafters to compare.")
     p.add_argument("--json", default=None, help="Write the rows and summary to this file.")
+    p.add_argument("--check", action="store_true",
+                   help="Also decode drafting every round and compare each draft with the training graph's.")
     args = p.parse_args()
 
     from mlx_lm_ext import models
@@ -179,7 +268,7 @@ def main():
     for make in drafters.values():
         run(target, tok, warm, 16, make(), args.num_draft_tokens)
 
-    rows = []
+    rows, checks = [], []
     t0 = time.perf_counter()
     for cat, name, text in prompts():
         label = f"{cat}: {name}"
@@ -198,11 +287,18 @@ def main():
                        drafted=st.drafted, accepted=st.accepted, forwards=st.forwards, emitted=st.emitted)
             rows.append(row)
         print(table(rows[-1 - len(drafters):]) + "\n", flush=True)
+        if args.check and "assistant" in drafters:
+            c = graph_check(target, made, args.drafter_path, prompt, args.max_tokens, args.num_draft_tokens)
+            checks.append(dict(category=cat, prompt=label, check=c))
+            print(check_table(checks[-1:]) + "\n", flush=True)
     text, result = summary(rows, list(drafters))
     print("# all prompts\n\n" + table(rows) + "\n\n# summary (* = drafting switched itself off)\n\n" + text)
+    if checks:
+        print("\n# decode vs training graph (--check; drafting every round, k fixed)\n\n" + check_table(checks))
     print(f"\n({time.perf_counter() - t0:.0f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(rows=rows, summary=result, device=str(mx.default_device()),
+        Path(args.json).write_text(json.dumps(dict(rows=rows, summary=result, checks=checks,
+                                                   device=str(mx.default_device()),
                                                    dtype=args.dtype, max_tokens=args.max_tokens,
                                                    drafter=dict(layers=cfg.num_layers, donors=cfg.donors,
                                                                 steps=trained)), indent=1))
