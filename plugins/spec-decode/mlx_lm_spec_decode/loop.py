@@ -36,6 +36,10 @@ from .drafter import DraftContext
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
+# Drafting rounds in a row with nothing proposed before plain steps come in
+# pipelined runs: a copy's short gaps (a renamed word) stay single steps.
+MISS_RUN = 4
+
 
 def n_target_caches(model):
     return len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
@@ -347,12 +351,14 @@ def speculative_generate_step(
                     ctl.drafted(drafts.size, time.perf_counter() - t0)
                 k = drafts.size
                 if k == 0:
-                    # Nothing to propose: decode plainly, pipelined, for a
-                    # run that doubles while lookups keep failing (1, 2, 4, 8
-                    # tokens), so open text costs what mlx-lm's loop costs.
-                    # (A drafter reading hidden states is asked every step.)
+                    # Nothing to propose: one plain step, and after a few in
+                    # a row (open text, not the short gaps of a copy) a
+                    # pipelined run that doubles (2, 4, 8 tokens), so open
+                    # text costs what mlx-lm's loop costs. (A drafter reading
+                    # hidden states is asked every step.)
                     misses = 0 if drafter.needs_hidden else misses + 1
-                    yield from plain(min(1 << min(max(misses - 1, 0), 3), remaining), t0)
+                    run = 1 if misses <= MISS_RUN else 1 << min(misses - MISS_RUN, 3)
+                    yield from plain(min(run, remaining), t0)
                     continue
                 misses = 0
                 window = mx.concatenate([mx.array([y], mx.uint32), drafts.astype(mx.uint32)])

@@ -309,7 +309,7 @@ def test_nothing_to_propose_decodes_in_pipelined_runs(tiny_llama, repetitive_pro
 
     out = spec(model, Mute(auto_off=False), prompt, 40, k=3)
     assert out == stock(model, prompt, 40)
-    # Runs of 1, 2, 4, 8, 8, ... tokens between lookups, not one per token.
-    assert Mute.asked <= 8
+    # 4 single steps, then runs of 2, 4, 8, 8, ... tokens between lookups.
+    assert Mute.asked <= 10
     s = last_stats()
     assert s.emitted == 40 and s.drafted == 0
