@@ -18,7 +18,9 @@ from mlx_lm import load
 
 from mlx_lm_spec_decode import assistant as A
 from mlx_lm_spec_decode import last_stats, speculative_generate_step
-from mlx_lm_spec_decode.assistant_train import CKPT, DATA_FILE, EVAL_FILE, LOG_FILE, main, make_batches
+from mlx_lm_spec_decode import target as target_mod
+from mlx_lm_spec_decode.assistant_train import (CKPT, DATA_FILE, EVAL_FILE, LOG_FILE, greedy_batch, main,
+                                                make_batches)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,21 @@ def test_generated_chat_data(tiny_model, data, tmp_path):
     _, tok = load(str(model))
     text = tok.decode(d["chat"].tolist())
     assert text.count("<|im_start|>assistant") == 3 and d["corpus"].size == 4000
+
+
+def test_batched_greedy_answers_are_greedy_answers(tiny_model):
+    """The chat data generator: prompts of different lengths left-padded in
+    one batch give each prompt's own greedy answer, cut before a stop token."""
+    from mlx_lm.generate import generate_step
+
+    model, tok = load(str(tiny_model("llama", seed=2)))
+    prompts = [tok.encode(t) for t in ("a", "one two three four five six seven", "the quick brown fox")]
+    ref = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=10)] for p in prompts]
+    split = target_mod.split(model)
+    assert greedy_batch(model, split, prompts, 10, {2}) == ref
+    stop = ref[1][3]
+    want = [r[: r.index(stop)] if stop in r else r for r in ref]
+    assert greedy_batch(model, split, prompts, 10, {stop}) == want
 
 
 def test_the_mlx_lm_ext_command(tiny_model, data, tmp_path):
