@@ -16,8 +16,10 @@ Top-1 agreement (drafter argmax equals target argmax) is what greedy
 acceptance measures; the progress bar shows it for the first step. The
 figure on training batches is in-sample; the last ``--eval-rows`` rows of
 the text and of the generated chats are held out and evaluated at every
-checkpoint (``eval.jsonl``): held-out agreement on chats is what decoding
-open-ended answers measures (the decode loop computes exactly the training
+checkpoint (``eval.jsonl``): held-out agreement on chat answers is what
+decoding open-ended answers accepts (prompt tokens, e.g. the system prompt
+repeated in every chat, are never drafted: chat rows train and count only
+where the next token belongs to an answer) (the decode loop computes exactly the training
 graph's numbers; ``test_loop_drafts_are_the_training_graph``).
 
 Why not the flash-cce loss: distillation needs the target's full
@@ -68,6 +70,7 @@ CKPT = "checkpoint"
 DATA_FILE = "data.safetensors"
 LOG_FILE = "log.jsonl"
 EVAL_FILE = "eval.jsonl"
+EVAL_NAMES = {"text": "text", "chat": "chat answers"}
 
 
 class TrainError(RuntimeError):
@@ -160,7 +163,7 @@ TEMPLATES = [
     "Tell me a story about a {word} that changed someone's life.",
 ]
 # Part of what makes the generated data: a change here remakes it.
-PROMPTS_VERSION = 2
+PROMPTS_VERSION = 3  # 3: answer masks saved with the chats
 
 
 def chat_prompts(tokenizer, tokens, n, seed):
@@ -299,10 +302,12 @@ class Target:
         return h, self.embed(x), kv, mx.softmax(logits, axis=-1, precise=True), mx.argmax(logits, axis=-1)
 
 
-def loss_fn(net, target, h, emb, kv, p_t, top_t, steps, feature_weight, step_decay=0.8):
+def loss_fn(net, target, h, emb, kv, p_t, top_t, steps, feature_weight, step_decay=0.8, weights=None):
     """Distillation loss over ``steps`` chained draft steps, step ``s``
     weighted ``step_decay**s``; also each step's cross-entropy and top-1
-    agreement with the target (rows with a full chain only)."""
+    agreement with the target (rows with a full chain only, and, with
+    ``weights [B, T]``, only rows whose weight is 1: rows predicting an
+    answer token of a chat, the only tokens a drafter drafts)."""
     donors = [(k, v, None) for k, v in kv]
     outs = net.unrolled(h, emb, donors, target.ropes, target.cfg.windows, steps)
     T = h.shape[1]
@@ -311,7 +316,8 @@ def loss_fn(net, target, h, emb, kv, p_t, top_t, steps, feature_weight, step_dec
     ces, accs = [], []
     for s, out in enumerate(outs):
         valid = (mx.arange(T) >= s + 1)[None].astype(mx.float32)
-        count = valid.sum() * h.shape[0]
+        valid = valid * weights if weights is not None else mx.broadcast_to(valid, h.shape[:2])
+        count = mx.maximum(valid.sum(), 1.0)
         logits = target.head(out.astype(target.dtype)).astype(mx.float32)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         ce = (-(p_t * lp).sum(-1) * valid).sum() / count
@@ -397,26 +403,32 @@ def prepare_data(args, model, tokenizer, out, resuming):
                 raise TrainError(f"{f} is unreadable ({e}); start over with --restart") from e
             d, meta = None, {}
         if d is not None and (resuming or meta.get("made_by") == made_by):
-            return np.array(d["corpus"]), (np.array(d["chat"]) if "chat" in d else None)
+            chat = np.array(d["chat"]) if "chat" in d else None
+            mask = np.array(d["chat_mask"]) if "chat_mask" in d else None
+            return np.array(d["corpus"]), chat, mask
         # No checkpoint uses it and it was made from other settings: remake it.
     tokens, files = read_corpus(tokenizer, args.data, args.patterns, args.max_data_tokens, progress=not args.quiet)
     print(f"data: {len(tokens):,} tokens from {files} files", file=sys.stderr)
-    chat = None
+    chat = mask = None
     if args.generate:
         prompts = chat_prompts(tokenizer, tokens, args.generate, args.seed)
         t0 = time.perf_counter()
         seqs = generate_chat(model, tokenizer, prompts, args.generate_tokens, batch_size=args.generate_batch,
                              progress=not args.quiet, time_limit=args.generate_time_limit)
         chat = np.concatenate([np.asarray(s, np.uint32) for s in seqs])
+        # 1 where a token belongs to an answer (its EOS included): what drafting predicts.
+        mask = np.concatenate([np.asarray([0] * len(p) + [1] * (len(s) - len(p)), np.uint8)
+                               for p, s in zip(prompts, seqs)])
         print(f"generated: {len(seqs)} answers, {len(chat):,} tokens in {time.perf_counter() - t0:.0f}s",
               file=sys.stderr)
     arrays = {"corpus": mx.array(tokens)}
     if chat is not None:
         arrays["chat"] = mx.array(chat)
+        arrays["chat_mask"] = mx.array(mask)
     tmp = out / (".tmp." + DATA_FILE)
     mx.save_safetensors(str(tmp), arrays, metadata={"made_by": made_by})
     tmp.replace(f)
-    return tokens, chat
+    return tokens, chat, mask
 
 
 def held_out(rows, n):
@@ -425,41 +437,63 @@ def held_out(rows, n):
     return (rows[: len(rows) - n], rows[len(rows) - n :]) if n else (rows, None)
 
 
-def make_batches(args, corpus, chat):
-    """The training batch of each step, the numbers of training rows, and
-    the held-out rows (``{"text": rows, "chat": rows}``, where there are enough)."""
+def row_weights(mask):
+    """Per row position: 1 where the next token is an answer token."""
+    return np.concatenate([mask[:, 1:], mask[:, -1:]], axis=1).astype(np.float32)
+
+
+def make_batches(args, corpus, chat, chat_mask=None):
+    """``batch(step) -> (tokens [B, T], weights [B, T])`` for each step, the
+    numbers of training rows, and the held-out rows ``{"text": (tokens,
+    weights), "chat": ...}`` (where there are enough). Text rows weigh 1
+    everywhere; chat rows only where the next token is part of an answer
+    (``chat_mask``; prompts, the same system prompt in every chat, are never
+    drafted, and would inflate the agreement)."""
     rows, eval_text = held_out(chunk(corpus, args.seq_len), args.eval_rows)
     chat_rows = chunk(chat, args.seq_len) if chat is not None and len(chat) >= args.seq_len else None
     eval_chat = None
     if chat_rows is not None:
+        if chat_mask is None:  # data made before answer masks: every token
+            chat_mask = np.ones(len(chat), np.uint8)
+        chat_rows = np.stack([chat_rows, chunk(chat_mask, args.seq_len)], axis=-1)
         chat_rows, eval_chat = held_out(chat_rows, args.eval_rows)
-    evals = {k: mx.array(v.astype(np.uint32)) for k, v in (("text", eval_text), ("chat", eval_chat)) if v is not None}
+    evals = {}
+    if eval_text is not None:
+        evals["text"] = (mx.array(eval_text.astype(np.uint32)), mx.ones(eval_text.shape, mx.float32))
+    if eval_chat is not None:
+        evals["chat"] = (mx.array(eval_chat[..., 0].astype(np.uint32)), mx.array(row_weights(eval_chat[..., 1])))
     n_chat = 0 if chat_rows is None else min(args.batch_size, round(args.batch_size * args.chat_fraction))
     n_text = args.batch_size - n_chat
 
     def batch(step):
-        parts = []
+        toks, weights = [], []
         if n_text:
-            parts.append(rows[batch_rows(len(rows), n_text, step, args.seed)])
+            t = rows[batch_rows(len(rows), n_text, step, args.seed)]
+            toks.append(t)
+            weights.append(np.ones(t.shape, np.float32))
         if n_chat:
-            parts.append(chat_rows[batch_rows(len(chat_rows), n_chat, step, args.seed + 7919)])
-        b = np.concatenate(parts)
-        return mx.array(b.astype(np.uint32))
+            c = chat_rows[batch_rows(len(chat_rows), n_chat, step, args.seed + 7919)]
+            toks.append(c[..., 0])
+            weights.append(row_weights(c[..., 1]))
+        return mx.array(np.concatenate(toks).astype(np.uint32)), mx.array(np.concatenate(weights))
 
     return batch, len(rows), (0 if chat_rows is None else len(chat_rows)), evals
 
 
 def evaluate(net, target, evals, steps, feature_weight, rows=4):
-    """Top-1 agreement and cross-entropy per draft step on the held-out rows."""
+    """Top-1 agreement and cross-entropy per draft step on the held-out rows
+    (chats: on the rows predicting answer tokens)."""
     out = {}
-    for name, x in evals.items():
-        accs, ces, n = 0.0, 0.0, 0
+    for name, (x, w) in evals.items():
+        accs, ces, n = 0.0, 0.0, 0.0
         for s in range(0, x.shape[0], rows):
-            part = x[s : s + rows]
-            _, ce, acc = loss_fn(net, target, *target.run(part), steps, feature_weight)
-            mx.eval(ce, acc)
-            accs, ces, n = accs + acc * part.shape[0], ces + ce * part.shape[0], n + part.shape[0]
-        out[name] = {"top1": (accs / n).tolist(), "ce": (ces / n).tolist(), "rows": n}
+            ws = w[s : s + rows]
+            _, ce, acc = loss_fn(net, target, *target.run(x[s : s + rows]), steps, feature_weight, weights=ws)
+            k = ws.sum()
+            mx.eval(ce, acc, k)
+            accs, ces, n = accs + acc * k, ces + ce * k, n + k.item()
+        n = max(n, 1.0)
+        out[name] = {"top1": (accs / n).tolist(), "ce": (ces / n).tolist(), "rows": int(x.shape[0])}
     return out
 
 
@@ -473,10 +507,12 @@ def make_trainer(args, cfg, target, ckpt=None):
     opt.init(net.trainable_parameters())
     if ckpt is not None:  # before compiling: the compiled step captures these state trees
         load_checkpoint(ckpt, net, opt)
-    value_grad = nn.value_and_grad(net, lambda n, *a: loss_fn(n, target, *a, args.draft_steps, args.feature_weight))
+    value_grad = nn.value_and_grad(
+        net, lambda n, h, emb, kv, p, top, w: loss_fn(n, target, h, emb, kv, p, top, args.draft_steps,
+                                                      args.feature_weight, weights=w))
 
-    def update(h, emb, kv, p, top):
-        (loss, ces, accs), grads = value_grad(net, h, emb, kv, p, top)
+    def update(h, emb, kv, p, top, w):
+        (loss, ces, accs), grads = value_grad(net, h, emb, kv, p, top, w)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(net, grads)
         return loss, ces, accs
@@ -510,9 +546,10 @@ def calibrate(args, cfg, target, batch, warm=3, timed=8):
     for i in range(warm + timed):
         if i == warm:
             t0 = time.perf_counter()
-        inputs = target.run(batch(i))
+        x, w = batch(i)
+        inputs = target.run(x)
         mx.eval(inputs)
-        mx.eval(state, step_fn(*inputs))
+        mx.eval(state, step_fn(*inputs, w))
     per_step = (time.perf_counter() - t0) / timed
     steps = max(10, int(0.9 * args.time_limit / per_step))
     print(f"--steps auto: {per_step:.3f} s/step, {steps} steps fit in --time-limit {args.time_limit:g}s",
@@ -552,8 +589,8 @@ def train(args):
         A.check_fingerprint(saved.target, cfg.target, where=f"the run in {out}")
         cfg.target = saved.target
     target = Target(model, cfg, split)
-    corpus, chat = prepare_data(args, model, tokenizer, out, resuming=ckpt is not None)
-    batch, n_rows, n_chat_rows, evals = make_batches(args, corpus, chat)
+    corpus, chat, chat_mask = prepare_data(args, model, tokenizer, out, resuming=ckpt is not None)
+    batch, n_rows, n_chat_rows, evals = make_batches(args, corpus, chat, chat_mask)
 
     if args.steps == "auto":
         args.steps = run["steps"] = calibrate(args, cfg, target, batch)
@@ -568,7 +605,7 @@ def train(args):
     print(f"assistant: {cfg.num_layers} layer(s), {n_params / 1e6:.2f}M parameters, donors {cfg.donors} "
           f"(of {len(make_prompt_cache(model))} caches); {n_rows} text + {n_chat_rows} chat sequences "
           f"of {args.seq_len} tokens; held out: "
-          + (", ".join(f"{v.shape[0]} {k}" for k, v in evals.items()) or "none (too little data)"), file=sys.stderr)
+          + (", ".join(f"{v[0].shape[0]} {k}" for k, v in evals.items()) or "none (too little data)"), file=sys.stderr)
 
     def checkpoint(step):
         save_checkpoint(out, net, opt, step, meta())
@@ -577,7 +614,7 @@ def train(args):
             res = evaluate(net, target, evals, args.draft_steps, args.feature_weight)
             with open(out / EVAL_FILE, "a") as f:
                 f.write(json.dumps({"step": step, **res}) + "\n")
-            line = "; ".join(f"{k} " + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(r["top1"]))
+            line = "; ".join(f"{EVAL_NAMES[k]} " + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(r["top1"]))
                              for k, r in res.items())
             tqdm.write(f"step {step}: held-out top-1 agreement: {line}", file=sys.stderr)
 
@@ -592,10 +629,10 @@ def train(args):
     stop = None
     try:
         while step < args.steps:
-            x = batch(step)
+            x, w = batch(step)
             inputs = target.run(x)
             mx.eval(inputs)
-            loss, ces, accs = step_fn(*inputs)
+            loss, ces, accs = step_fn(*inputs, w)
             mx.eval(state, loss, ces, accs)
             step += 1
             rec = {"step": step, "loss": loss.item(), "ce": ces.tolist(), "top1": accs.tolist(),
@@ -633,7 +670,7 @@ def train(args):
         ev = _last_eval(out / EVAL_FILE)
         if ev and ev.get("step") == step:
             print("held-out top-1 agreement (what decoding such text accepts): " + "; ".join(
-                f"{k} ({r['rows']} rows) " + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(r["top1"]))
+                f"{EVAL_NAMES[k]} ({r['rows']} rows) " + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(r["top1"]))
                 for k, r in ev.items() if k != "step"), file=sys.stderr)
     if stop:
         print(f"stopped at step {step} ({stop}); run the same command again to continue", file=sys.stderr)

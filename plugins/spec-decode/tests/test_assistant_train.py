@@ -91,11 +91,20 @@ def test_held_out_rows_are_never_trained_on(tiny_model, data, tmp_path):
     args = Namespace(seq_len=4, eval_rows=3, batch_size=4, chat_fraction=0.5, seed=0)
     corpus = np.arange(200, dtype=np.uint32)  # 50 rows of text
     chat = np.arange(1000, 1120, dtype=np.uint32)  # 30 rows of chats
-    batch, n_text, n_chat, evals = make_batches(args, corpus, chat)
-    assert (n_text, n_chat) == (47, 27) and evals["text"].shape == evals["chat"].shape == (3, 4)
-    held = {tuple(r) for x in evals.values() for r in x.tolist()}
-    seen = {tuple(r) for i in range(100) for r in batch(i).tolist()}
+    mask = (np.arange(120) % 10 >= 4).astype(np.uint8)  # 4 prompt tokens, then 6 answer tokens
+    batch, n_text, n_chat, evals = make_batches(args, corpus, chat, mask)
+    assert (n_text, n_chat) == (47, 27) and evals["text"][0].shape == evals["chat"][0].shape == (3, 4)
+    held = {tuple(r) for x, _ in evals.values() for r in x.tolist()}
+    seen = set()
+    for i in range(100):
+        x, w = batch(i)
+        for r, rw in zip(x.tolist(), w.tolist()):
+            seen.add(tuple(r))
+            # A row position counts where the next token is an answer token (text: everywhere).
+            want = [1.0] * 4 if r[0] < 1000 else [float(mask[t - 1000 + 1 if j < 3 else t - 1000] ) for j, t in enumerate(r)]
+            assert rw == want, (r, rw)
     assert len(held) == 6 and not held & seen and len(seen) == 47 + 27
+    assert evals["text"][1].tolist() == [[1.0] * 4] * 3
     # Too little data: nothing held out rather than most of it.
     assert make_batches(Namespace(**{**vars(args), "seq_len": 40}), corpus, None)[3] == {}
 
@@ -138,6 +147,11 @@ def test_generated_chat_data(tiny_model, data, tmp_path):
     _, tok = load(str(model))
     text = tok.decode(d["chat"].tolist())
     assert text.count("<|im_start|>assistant") == 3 and d["corpus"].size == 4000
+    # The answer mask: the tokens after each "<|im_start|>assistant\n", through the EOS.
+    ids, mask = d["chat"].tolist(), d["chat_mask"].tolist()
+    answers = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert len(mask) == len(ids) and "<|im_start|>" not in answers and answers.count("<|im_end|>") == 3
+    assert sum(mask) < len(mask) / 2
 
 
 def test_batched_greedy_answers_are_greedy_answers(tiny_model):
