@@ -249,9 +249,10 @@ def speculative_generate_step(
 
     def forward(y_and_drafts):
         x = y_and_drafts[None]
-        if split is None:
-            return model(x, cache=target_cache)[0], None
-        h = split[0](x, target_cache)
+        with target_mod.verify_attention(model, x.shape[1]):
+            if split is None:
+                return model(x, cache=target_cache)[0], None
+            h = split[0](x, target_cache)
         return split[1](h)[0], h[0]
 
     def step(tok):

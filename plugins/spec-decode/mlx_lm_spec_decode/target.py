@@ -1,6 +1,10 @@
 """The target model split into backbone and lm-head, for drafters that read
 its last hidden state (``Drafter.needs_hidden``)."""
 
+import contextlib
+import os
+import sys
+
 import mlx.core as mx
 
 
@@ -35,3 +39,91 @@ def split(model):
     except Exception:
         return None
     return (backbone, head) if ok else None
+
+
+# ------------------------------------------------ verify-window attention
+
+# MLX's CUDA backend runs multi-token attention in half precision through
+# cuDNN, whose graphs are cached by exact shape: a verify window at a new
+# cache length builds a new graph (measured on an H200: a drafting round of
+# a 135M bfloat16 target took ~50 ms instead of ~8). A window of a few
+# queries needs no fused kernel, so the loop's verify forwards run attention
+# as plain matmuls there. MLX_LM_SPEC_ATTENTION=fused|explicit|auto
+# overrides the choice (auto: explicit on a CUDA GPU).
+EXPLICIT_MAX_QUERIES = 16
+_ATTN_MODULES = {}
+
+
+def attention_policy():
+    how = os.environ.get("MLX_LM_SPEC_ATTENTION", "auto").strip().lower() or "auto"
+    if how not in ("auto", "fused", "explicit"):
+        raise ValueError(f"MLX_LM_SPEC_ATTENTION must be auto, fused or explicit, got {how!r}")
+    if how == "auto":
+        cuda = getattr(mx, "cuda", None)
+        on_cuda = cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
+        return "explicit" if on_cuda else "fused"
+    return how
+
+
+def explicit_attention(queries, keys, values, scale, mask):
+    """``mx.fast.scaled_dot_product_attention`` as matmuls (few queries):
+    ``[B, Hq, L, D]`` queries over ``[B, Hkv, S, D]`` keys/values, grouped
+    heads without copies, softmax in float32, masks as the fused op takes
+    them (None, "causal", boolean or additive arrays)."""
+    b, hq, n, d = queries.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    rep = hq // hkv
+    q = (queries * scale).reshape(b, hkv, rep, n, d)
+    scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)  # [B, Hkv, rep, L, S]
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        mask = mx.arange(s)[None] <= (s - n + mx.arange(n))[:, None]
+    if mask is not None:
+        if mask.ndim == 4:
+            mask = mask.reshape(mask.shape[0], hkv, rep, n, s) if mask.shape[1] == hq and hq > 1 \
+                else mx.expand_dims(mask, 2)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+        else:
+            scores = scores + mask.astype(scores.dtype)
+    w = mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype)
+    return (w @ mx.expand_dims(values, 2)).reshape(b, hq, n, d)
+
+
+def _attention_modules(model):
+    """The mlx-lm model modules of ``model`` that call ``scaled_dot_product_attention``."""
+    key = (id(model), type(model))
+    if key not in _ATTN_MODULES:
+        names = {type(m).__module__ for m in model.modules()} | {type(model).__module__}
+        mods = [sys.modules[n] for n in sorted(names)
+                if n in sys.modules and callable(getattr(sys.modules[n], "scaled_dot_product_attention", None))]
+        _ATTN_MODULES[key] = mods
+    return _ATTN_MODULES[key]
+
+
+@contextlib.contextmanager
+def verify_attention(model, width):
+    """Within the block, the model's attention over ``width`` queries (2..16)
+    runs as ``explicit_attention`` where the policy says so; quantized
+    caches, attention sinks and single queries keep mlx-lm's function."""
+    if width < 2 or width > EXPLICIT_MAX_QUERIES or attention_policy() != "explicit":
+        yield
+        return
+    mods = _attention_modules(model)
+    saved = [m.scaled_dot_product_attention for m in mods]
+
+    def patched(orig):
+        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+            if sinks is not None or hasattr(cache, "bits") or not 1 < queries.shape[2] <= EXPLICIT_MAX_QUERIES:
+                return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+            return explicit_attention(queries, keys, values, scale, mask)
+        return sdpa
+
+    try:
+        for m, orig in zip(mods, saved):
+            m.scaled_dot_product_attention = patched(orig)
+        yield
+    finally:
+        for m, orig in zip(mods, saved):
+            m.scaled_dot_product_attention = orig
