@@ -165,7 +165,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--loop-repeats", type=int, default=3)
     ap.add_argument("--ks", default="3,1,2", help="Fixed draft lengths for the forced-on loop rows.")
-    ap.add_argument("--attention", default="explicit,fused",
+    ap.add_argument("--attention", default="padded,explicit,fused",
                     help="Verify attention policies to compare (MLX_LM_SPEC_ATTENTION), first is the main one.")
     args = ap.parse_args()
 

@@ -6,6 +6,7 @@ import os
 import sys
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 
 def split(model):
@@ -48,20 +49,25 @@ def split(model):
 # cache length builds a new graph (measured on an H200: a drafting round of
 # a 135M bfloat16 target took ~50 ms instead of ~8). A window of a few
 # queries needs no fused kernel, so the loop's verify forwards run attention
-# as plain matmuls there. MLX_LM_SPEC_ATTENTION=fused|explicit|auto
-# overrides the choice (auto: explicit on a CUDA GPU).
+# as plain matmuls there ("explicit"), or ("padded") through the fused op
+# over the cache's whole preallocated buffer (a multiple of 256 rows) with
+# an additive mask, so that the shape, and the cuDNN graph, only change
+# every 256 tokens. MLX_LM_SPEC_ATTENTION=fused|explicit|padded|auto
+# overrides the choice (auto: padded on a CUDA GPU).
 EXPLICIT_MAX_QUERIES = 16
+POLICIES = ("auto", "fused", "explicit", "padded")
+AUTO_CUDA = "padded"
 _ATTN_MODULES = {}
 
 
 def attention_policy():
     how = os.environ.get("MLX_LM_SPEC_ATTENTION", "auto").strip().lower() or "auto"
-    if how not in ("auto", "fused", "explicit"):
-        raise ValueError(f"MLX_LM_SPEC_ATTENTION must be auto, fused or explicit, got {how!r}")
+    if how not in POLICIES:
+        raise ValueError(f"MLX_LM_SPEC_ATTENTION must be one of {', '.join(POLICIES)}, got {how!r}")
     if how == "auto":
         cuda = getattr(mx, "cuda", None)
         on_cuda = cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
-        return "explicit" if on_cuda else "fused"
+        return AUTO_CUDA if on_cuda else "fused"
     return how
 
 
@@ -91,6 +97,24 @@ def explicit_attention(queries, keys, values, scale, mask):
     return (w @ mx.expand_dims(values, 2)).reshape(b, hq, n, d)
 
 
+def padded_attention(queries, cache, scale, masks):
+    """The fused op over ``cache``'s whole buffer (``KVCache`` only), rows
+    past the window's causal limit masked; ``None`` where it does not apply."""
+    full_k, full_v = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if type(cache) is not KVCache or full_k is None or full_v is None:
+        return None
+    n, s, t = queries.shape[2], cache.offset, full_k.shape[2]
+    if t < s:
+        return None
+    key = (n, s, t, queries.dtype)
+    bias = masks.get(key)
+    if bias is None:
+        keep = mx.arange(t)[None] <= (s - n + mx.arange(n))[:, None]
+        low = mx.array(mx.finfo(queries.dtype).min, queries.dtype)
+        bias = masks[key] = mx.where(keep, mx.array(0, queries.dtype), low)[None, None]
+    return mx.fast.scaled_dot_product_attention(queries, full_k, full_v, scale=scale, mask=bias)
+
+
 def _attention_modules(model):
     """The mlx-lm model modules of ``model`` that call ``scaled_dot_product_attention``."""
     key = (id(model), type(model))
@@ -107,16 +131,22 @@ def verify_attention(model, width):
     """Within the block, the model's attention over ``width`` queries (2..16)
     runs as ``explicit_attention`` where the policy says so; quantized
     caches, attention sinks and single queries keep mlx-lm's function."""
-    if width < 2 or width > EXPLICIT_MAX_QUERIES or attention_policy() != "explicit":
+    if width < 2 or width > EXPLICIT_MAX_QUERIES or attention_policy() == "fused":
         yield
         return
+    policy = attention_policy()
     mods = _attention_modules(model)
     saved = [m.scaled_dot_product_attention for m in mods]
+    masks = {}  # one padding mask per forward, shared by its layers
 
     def patched(orig):
         def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
             if sinks is not None or hasattr(cache, "bits") or not 1 < queries.shape[2] <= EXPLICIT_MAX_QUERIES:
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+            if policy == "padded" and (mask is None or isinstance(mask, str)) and keys.shape[2] == cache.offset:
+                out = padded_attention(queries, cache, scale, masks)
+                if out is not None:
+                    return out
             return explicit_attention(queries, keys, values, scale, mask)
         return sdpa
 
