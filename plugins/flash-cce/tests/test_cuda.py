@@ -247,4 +247,7 @@ def test_memory_never_holds_the_logits():
     logits = n * v * 2
     # float32 hidden gradient + its bf16 cast + per-split statistics
     assert peak <= n * h * 6 + 8 * 2**20, peak
-    assert peak < logits / 50
+    # At this shape the gradient alone (n*h*6 bytes) is 1/33 of the logits,
+    # so the ratio cannot reach the 1/50 an earlier version asked (H200:
+    # 13.5 MB = 1/30); a logits-sized buffer, or a quarter of one, fails.
+    assert peak < logits / 20
