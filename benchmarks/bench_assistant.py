@@ -142,39 +142,9 @@ def summary(rows, methods):
     return "\n".join(out), result
 
 
-class _StepRecorder:
-    """Stands in for the drafter's net: the same ``step``, its outputs kept."""
-
-    def __init__(self, net):
-        self.net, self.layers, self.outs = net, net.layers, []
-
-    def step(self, *args):
-        out = self.net.step(*args)
-        self.outs.append(out)
-        return out
-
-
-class _Recording(assistant.AssistantDrafter):
-    """The drafter as the loop runs it; records each round's base position,
-    per-step states and drafts (left lazy, as the loop leaves them)."""
-
-    def __init__(self, base, k):
-        super().__init__(base.model, base.net, base.cfg, max_draft=k, adaptive=False, auto_off=False)
-        self.net = _StepRecorder(base.net)
-        self.rounds = []
-
-    def draft(self, ctx, n):
-        base = ctx.target_cache[self.cfg.donors[-1]].offset
-        self.net.outs = []
-        toks, q = super().draft(ctx, n)
-        if self.net.outs:
-            self.rounds.append((base, list(self.net.outs), toks))
-        return toks, q
-
-
 def graph_check(model, made, path, prompt, max_tokens, k):
     """Decode drafting every round; recompute each drafted state with the training graph."""
-    rec = _Recording(made, k)
+    rec = assistant.RecordingDrafter(made, max_draft=k, adaptive=False, auto_off=False)
     out = [t for t, _, _ in sd.speculative_generate_step(mx.array(prompt), model, rec, num_draft_tokens=k,
                                                          max_tokens=max_tokens)]
     st = sd.last_stats()
@@ -194,7 +164,7 @@ def graph_check(model, made, path, prompt, max_tokens, k):
         agree.append(sum(preds[s][r] == top[r] for r in rows) / max(1, len(rows)))
     first_ok = compared = differ = 0
     dmax = 0.0
-    for base, outs, toks in rec.rounds:
+    for base, _, outs, toks in rec.rounds:
         toks = toks.tolist()
         first_ok += toks[0] == seq[base + 1]
         for s, o in enumerate(outs):

@@ -619,3 +619,41 @@ class AssistantDrafter(Drafter):
 
     def flush(self, ctx):
         ctx.state["own"] = 0
+
+
+class _StepRecorder:
+    """Stands in for the drafter's net: the same ``step``, its outputs kept."""
+
+    def __init__(self, net):
+        self.net, self.layers, self.outs = net, net.layers, []
+
+    def step(self, *args):
+        out = self.net.step(*args)
+        self.outs.append(out)
+        return out
+
+
+class RecordingDrafter(AssistantDrafter):
+    """``base`` as the loop runs it, recording each round as ``(base position,
+    pending token, per-step output states, drafts)``, left lazy as the loop
+    leaves them: what ``bench_assistant.py --check`` and the tests compare
+    with the training graph. ``options``: ``max_draft``, ``adaptive``,
+    ``auto_off`` (default: ``base``'s)."""
+
+    def __init__(self, base, **options):
+        unknown = set(options) - {"max_draft", "adaptive", "auto_off"}
+        if unknown:
+            raise TypeError(f"unknown options {sorted(unknown)}")
+        self.__dict__.update(base.__dict__)
+        self.__dict__.update(options)
+        self.net = _StepRecorder(base.net)
+        self.rounds = []
+
+    def draft(self, ctx, n):
+        base = ctx.target_cache[self.cfg.donors[-1]].offset
+        last = list(ctx.state.get("last") or [None])
+        self.net.outs = []
+        toks, q = super().draft(ctx, n)
+        if self.net.outs:
+            self.rounds.append((base, last[0], list(self.net.outs), toks))
+        return toks, q

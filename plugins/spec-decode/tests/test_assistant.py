@@ -174,44 +174,12 @@ def test_training_forward_equals_drafting(tiny_model, arch, layers):
 # ----------------------------------------------------------------- the loop
 
 
-class StepRecorder:
-    """Stands in for the drafter's net: the same ``step``, its outputs kept."""
-
-    def __init__(self, net):
-        self.net, self.layers, self.outs = net, net.layers, []
-
-    def step(self, *args):
-        out = self.net.step(*args)
-        self.outs.append(out)
-        return out
-
-
-class Recording(A.AssistantDrafter):
-    """The drafter as the loop runs it, recording each round's base position,
-    pending token and per-step output states (left lazy, as the loop leaves
-    them until its verify)."""
-
-    def __init__(self, base):
-        self.__dict__.update(base.__dict__)
-        self.net = StepRecorder(base.net)
-        self.rounds = []
-
-    def draft(self, ctx, n):
-        base = ctx.target_cache[self.cfg.donors[-1]].offset
-        last = list(ctx.state.get("last") or [])
-        self.net.outs = []
-        toks, q = super().draft(ctx, n)
-        if self.net.outs:
-            self.rounds.append((base, last[0], list(self.net.outs), toks))
-        return toks, q
-
-
 def assert_drafts_are_the_training_graph(model, drafter, prompt, n=30, k=3):
     """Every state the loop's drafter computed equals the training graph's
     (``Assistant.unrolled`` over the final sequence, as train-drafter runs
     it) at the same row and draft step, for every chain whose earlier
     drafts were accepted. Returns the number of checks per draft step."""
-    rec = Recording(drafter)
+    rec = A.RecordingDrafter(drafter)
     out = spec(model, rec, prompt, n, k=k)
     assert out == stock(model, prompt, n)
     seq = prompt.tolist() + out
