@@ -31,12 +31,10 @@ and training compute different things on this backend or dtype).
 """
 
 import argparse
-import ast
 import importlib
 import json
 import platform
 import statistics
-import sysconfig
 import time
 from pathlib import Path
 
@@ -49,20 +47,7 @@ import mlx_lm_spec_decode as sd
 from mlx_lm_spec_decode import assistant
 from mlx_lm_spec_decode.assistant_train import Target
 
-
-def stdlib_function(module, name):
-    path = Path(sysconfig.get_paths()["stdlib"], module + ".py")
-    src = path.read_text()
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            return ast.get_source_segment(src, node)
-    raise LookupError(f"{module}.{name}")
-
-
-def passage():
-    text = Path(sysconfig.get_paths()["stdlib"], "LICENSE.txt").read_text()
-    start = text.index("A. HISTORY OF THE SOFTWARE")
-    return text[start : start + 1400]
+from bench_spec_decode import passage, stdlib_function  # the same grounded prompts
 
 
 def prompts():
