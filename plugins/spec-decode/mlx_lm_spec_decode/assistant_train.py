@@ -19,8 +19,8 @@ the text and of the generated chats are held out and evaluated at every
 checkpoint (``eval.jsonl``): held-out agreement on chat answers is what
 decoding open-ended answers accepts (prompt tokens, e.g. the system prompt
 repeated in every chat, are never drafted: chat rows train and count only
-where the next token belongs to an answer) (the decode loop computes exactly the training
-graph's numbers; ``test_loop_drafts_are_the_training_graph``).
+where the next token belongs to an answer). The decode loop computes exactly
+the training graph's numbers (``test_loop_drafts_are_the_training_graph``).
 
 Why not the flash-cce loss: distillation needs the target's full
 distribution, so the ``[N, V]`` target logits exist anyway, and
@@ -607,16 +607,17 @@ def train(args):
           f"of {args.seq_len} tokens; held out: "
           + (", ".join(f"{v[0].shape[0]} {k}" for k, v in evals.items()) or "none (too little data)"), file=sys.stderr)
 
+    last = {"step": None, "eval": None}  # this run's last checkpoint and its held-out figures
+
     def checkpoint(step):
         save_checkpoint(out, net, opt, step, meta())
         A.save(out, net, cfg)
-        if evals:
-            res = evaluate(net, target, evals, args.draft_steps, args.feature_weight)
+        res = evaluate(net, target, evals, args.draft_steps, args.feature_weight) if evals else None
+        if res:
             with open(out / EVAL_FILE, "a") as f:
                 f.write(json.dumps({"step": step, **res}) + "\n")
-            line = "; ".join(f"{EVAL_NAMES[k]} " + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(r["top1"]))
-                             for k, r in res.items())
-            tqdm.write(f"step {step}: held-out top-1 agreement: {line}", file=sys.stderr)
+            tqdm.write(f"step {step}: held-out top-1 agreement: {_eval_line(res)}", file=sys.stderr)
+        last.update(step=step, eval=res)
 
     meta = lambda: {"run": run, "model": str(args.model), "data": str(args.data)}
     logf = open(out / LOG_FILE, "a")
@@ -659,19 +660,16 @@ def train(args):
     finally:
         bar.close()
         logf.close()
-        if step > start and step != (_last_eval(out / EVAL_FILE) or {}).get("step"):
+        if step > start and step != last["step"]:
             checkpoint(step)
     elapsed = time.perf_counter() - t0
     if step > start:
         tail = _tail_metrics(out / LOG_FILE, step)
         print(f"step {step}/{args.steps} in {elapsed:.0f}s ({(step - start) / max(elapsed, 1e-9):.2f} steps/s); "
-              f"last 20 steps: loss {tail['loss']:.3f}, top-1 agreement "
-              + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(tail["top1"])), file=sys.stderr)
-        ev = _last_eval(out / EVAL_FILE)
-        if ev and ev.get("step") == step:
-            print("held-out top-1 agreement (what decoding such text accepts): " + "; ".join(
-                f"{EVAL_NAMES[k]} ({r['rows']} rows) " + ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(r["top1"]))
-                for k, r in ev.items() if k != "step"), file=sys.stderr)
+              f"last 20 steps: loss {tail['loss']:.3f}, top-1 agreement {_per_step(tail['top1'])}", file=sys.stderr)
+        if last["eval"] and last["step"] == step:
+            print("held-out top-1 agreement (what decoding such text accepts): "
+                  + _eval_line(last["eval"], rows=True), file=sys.stderr)
     if stop:
         print(f"stopped at step {step} ({stop}); run the same command again to continue", file=sys.stderr)
     print(f"drafter saved in {out} (use: --drafter assistant --drafter-path {out})", file=sys.stderr)
@@ -691,15 +689,14 @@ def _truncate_log(path, step):
     path.write_text("".join(x + "\n" for x in keep))
 
 
-def _last_eval(path):
-    """The last checkpoint's evaluation record, or None."""
-    if not path.is_file():
-        return None
-    lines = [x for x in path.read_text().splitlines() if x.strip()]
-    try:
-        return json.loads(lines[-1]) if lines else None
-    except ValueError:
-        return None
+def _per_step(values):
+    return ", ".join(f"step{i + 1} {a:.3f}" for i, a in enumerate(values))
+
+
+def _eval_line(res, rows=False):
+    """Held-out top-1 agreement per data kind and draft step, one line."""
+    return "; ".join(f"{EVAL_NAMES[k]}" + (f" ({r['rows']} rows)" if rows else "") + f" {_per_step(r['top1'])}"
+                     for k, r in res.items())
 
 
 def _tail_metrics(path, step, n=20):

@@ -138,12 +138,13 @@ def _attention_modules(model):
 @contextlib.contextmanager
 def verify_attention(model, width):
     """Within the block, the model's attention over ``width`` queries (2..16)
-    runs as ``explicit_attention`` where the policy says so; quantized
-    caches, attention sinks and single queries keep mlx-lm's function."""
-    if width < 2 or width > EXPLICIT_MAX_QUERIES or attention_policy() == "fused":
+    runs as ``padded_attention`` or ``explicit_attention``, as the policy
+    says; quantized caches, attention sinks and single queries keep
+    mlx-lm's function."""
+    policy = attention_policy()
+    if width < 2 or width > EXPLICIT_MAX_QUERIES or policy == "fused":
         yield
         return
-    policy = attention_policy()
     mods = _attention_modules(model)
     saved = [m.scaled_dot_product_attention for m in mods]
     masks = {}  # one padding mask per forward, shared by its layers
