@@ -235,26 +235,11 @@ def kernel_step(z, m, l, softcap=None, logit_scale=None):
     return m_new, a, l_new, p
 
 
-_STEPS = {}
-
-
 def mlx_step(cfg):
-    """Compiled MLX version of ``kernel_step`` for ``cfg``'s soft cap and scale."""
-    key = ("step", cfg.softcap, cfg.logit_scale, cfg.with_grad)
-    if key not in _STEPS:
-
-        def step(z, m, l):
-            zf, dz = portable._cap(z.astype(mx.float32), cfg)
-            m_new = mx.maximum(m, zf.max(axis=1))
-            a = mx.exp(m - m_new)
-            e = mx.exp(zf - m_new[:, None])
-            l_new = l * a + e.sum(axis=1)
-            if not cfg.with_grad:
-                return m_new, a, l_new
-            return m_new, a, l_new, portable._times(e, dz).astype(z.dtype)
-
-        _STEPS[key] = mx.compile(step)
-    return _STEPS[key]
+    """Compiled MLX version of ``kernel_step`` for ``cfg``'s soft cap and
+    scale: the pure-MLX backend's block update, in float32 from the blocks'
+    dtype."""
+    return portable._online_step(cfg, float32_in=True)
 
 
 def _accumulate(acc, a, pw):

@@ -109,7 +109,7 @@ def _cap(r, st):
 _STEPS = {}
 
 
-def _online_step(st):
+def _online_step(st, float32_in=False):
     """Compiled block update ``(r, m, l) -> (m', a, l', coef)``.
 
     ``r`` are a block's raw logits; ``m``, ``l`` the running max and sum;
@@ -117,19 +117,22 @@ def _online_step(st):
     dz`` is what multiplies the head rows for the gradient (None when no
     gradient is wanted). Compiling fuses the elementwise work, so a block
     holds two ``[tokens, vocab]`` buffers (logits and exponentials).
+    ``float32_in``: logits of any dtype, computed in float32, ``coef`` back
+    in their dtype (the ``cuda-gemm`` backend's bfloat16 blocks).
     """
-    key = ("fwd", st.softcap, st.logit_scale, st.with_grad)
+    key = ("fwd", st.softcap, st.logit_scale, st.with_grad, float32_in)
     if key not in _STEPS:
 
         def step(r, m, l):
-            z, dz = _cap(r, st)
+            z, dz = _cap(r.astype(mx.float32) if float32_in else r, st)
             m_new = mx.maximum(m, z.max(axis=1))
             a = mx.exp(m - m_new)
             e = mx.exp(z - m_new[:, None])
             l_new = l * a + e.sum(axis=1)
             if not st.with_grad:
                 return m_new, a, l_new
-            return m_new, a, l_new, _times(e, dz)
+            coef = _times(e, dz)
+            return m_new, a, l_new, (coef.astype(r.dtype) if float32_in else coef)
 
         _STEPS[key] = mx.compile(step)
     return _STEPS[key]
