@@ -173,8 +173,9 @@ def main():
 
     chat = {n: tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
             for n, t in PROMPTS.items()}
+    policies = args.attention.split(",")
     print("| attention | what | build ms | total ms | x plain pipelined step |\n|---|---|---|---|---|")
-    for policy in args.attention.split(","):
+    for policy in policies:
         os.environ["MLX_LM_SPEC_ATTENTION"] = policy
         rows = components(model, base, chat["advice"], args.repeats)
         plain = rows[0][2]
@@ -185,7 +186,6 @@ def main():
     ks = [int(k) for k in args.ks.split(",")]
     tps(model, tok, chat["advice"], 16)  # warm-up
     print("\n| prompt | method | tok/s | vs stock | accepted/drafted | tok/fwd |\n|---|---|---|---|---|---|")
-    policies = args.attention.split(",")
     for name, prompt in chat.items():
         res, stats = {"stock": []}, {}
         for _ in range(args.loop_repeats):  # interleaved: the machine's drift hits every method alike

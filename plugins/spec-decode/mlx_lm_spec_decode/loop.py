@@ -227,6 +227,7 @@ def speculative_generate_step(
         if split is None:
             raise ValueError(f"the {drafter.name} drafter needs the target's hidden states, "
                              f"which this architecture does not expose in mlx-lm's usual layout")
+    attention = target_mod.attention_policy()  # a bad MLX_LM_SPEC_ATTENTION fails here
     ctx = DraftContext(model, target_cache, dcache, temp=temp or 0.0, filter=filt)
     ctl = Controller(
         num_draft_tokens,
@@ -249,7 +250,7 @@ def speculative_generate_step(
 
     def forward(y_and_drafts):
         x = y_and_drafts[None]
-        with target_mod.verify_attention(model, x.shape[1]):
+        with target_mod.verify_attention(model, x.shape[1], attention):
             if split is None:
                 return model(x, cache=target_cache)[0], None
             h = split[0](x, target_cache)

@@ -136,12 +136,12 @@ def _attention_modules(model):
 
 
 @contextlib.contextmanager
-def verify_attention(model, width):
+def verify_attention(model, width, policy=None):
     """Within the block, the model's attention over ``width`` queries (2..16)
-    runs as ``padded_attention`` or ``explicit_attention``, as the policy
-    says; quantized caches, attention sinks and single queries keep
-    mlx-lm's function."""
-    policy = attention_policy()
+    runs as ``padded_attention`` or ``explicit_attention``, as ``policy``
+    (default: ``attention_policy()``) says; quantized caches, attention
+    sinks and single queries keep mlx-lm's function."""
+    policy = policy or attention_policy()
     if width < 2 or width > EXPLICIT_MAX_QUERIES or policy == "fused":
         yield
         return

@@ -106,6 +106,14 @@ def test_loop_uses_it_and_stays_greedy_identical(tiny_llama, repetitive_prompt, 
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 
+def test_bad_policy_fails_before_the_first_token(tiny_llama, repetitive_prompt, monkeypatch):
+    model, tok = tiny_llama
+    monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", "flash")
+    gen = speculative_generate_step(repetitive_prompt(tok), model, NGramDrafter(n_min=1), max_tokens=5)
+    with pytest.raises(ValueError, match="MLX_LM_SPEC_ATTENTION must be one of"):
+        next(gen)
+
+
 def test_fused_policy_leaves_attention_alone(tiny_llama, repetitive_prompt, monkeypatch):
     model, tok = tiny_llama
     seen = []
