@@ -14,7 +14,8 @@ Three paths compute the same loss:
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import backends, heads, portable, qmm
+from . import autotune, backends, heads, portable, qmm
+from . import budget as _budget
 
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "flash", "stock", "chunked")
@@ -116,6 +117,7 @@ def linear_cross_entropy(
     dequantize=None,
     train=None,
     elementwise=None,
+    memory_budget=None,
 ):
     """Cross-entropy of ``head(hidden)`` against ``targets`` without ``[N, V]`` logits.
 
@@ -133,8 +135,12 @@ def linear_cross_entropy(
 
     Tuning (results are exact unless an eps is set):
     ``impl``: ``auto`` (stock-style below ``min_flash_elements`` logits,
-    else flash), ``flash``, ``stock``, ``chunked``. ``backend``: ``auto`` or
-    a name from ``backends.names()``. ``token_chunk`` tokens per pass;
+    else the fastest path within the memory budget), ``flash`` (never the
+    full logits), ``stock``, ``chunked``. ``backend``: ``auto`` (measured
+    once per shape bucket on this device and cached, see ``autotune``) or
+    a name from ``backends.names()``. ``memory_budget``: the most working
+    memory the loss head may use above its inputs, bytes or ``"512M"`` /
+    ``"2G"`` (default ``budget.DEFAULT_BUDGET``); ``auto`` keeps to it. ``token_chunk`` tokens per pass;
     ``vocab_chunk`` vocabulary rows per block (0: ``chunk_elements //
     token_chunk``). ``with_grad``: compute the hidden gradient in the
     forward pass (one sweep); ``False`` for loss-only calls, where a
@@ -167,6 +173,7 @@ def linear_cross_entropy(
         valid = t != ignore_index
         t = mx.where(valid, t, 0)
 
+    nbytes = _budget.resolve(memory_budget)
     chosen = _choose(impl, spec, h.shape[0], min_flash_elements)
     if chosen == "stock":
         ce = stock_per_token(spec, h, t, softcap, logit_scale)
@@ -187,7 +194,10 @@ def linear_cross_entropy(
             dequantize=dequantize,
             elementwise=elementwise,
         )
-        ce = backends.resolve(backend, spec, opts)(spec, h, t, opts, train)
+        cand = _candidate(impl, backend, spec, h, nbytes, opts)
+        if cand.limit_mib and _budget.is_async_gpu():
+            _budget.LIMIT.hold(cand.limit_mib * autotune.MIB)
+        ce = run_candidate(cand, spec, h, t, opts, train)
 
     if valid is not None:
         ce = mx.where(valid, ce, 0.0)
@@ -199,6 +209,32 @@ def linear_cross_entropy(
     if valid is None:
         return total / t.size
     return total / mx.maximum(valid.sum(), 1)
+
+
+def _candidate(impl, backend, spec, h, nbytes, opts):
+    """The path for a flash call: measured (``backend="auto"``) or the one named."""
+    frozen = {"weight": False, "bias": False, "lora": False}
+    tunable = spec.bias is None and not spec.has_lora and opts.filter_eps is None and opts.block_skip_eps is None
+    if backend == "auto" and tunable and not opts.vocab_chunk:
+
+        def run(cand, head, x, targets):
+            return run_candidate(cand, head, x, targets, opts, frozen)
+
+        return autotune.choose(spec, h.shape[0], h.shape[1], h.dtype, nbytes, opts, run,
+                               include_stock=impl == "auto")
+    if backend == "auto":
+        backend = next(n for n in backends.available() if backends.supports(n, spec, opts))
+    big = backend in ("mlx", "cuda-gemm") and backends.big_blocks(backend, spec, opts)
+    return autotune.Candidate("flash", backend, limit_mib=autotune.GPU_BLOCKS[0][2] if big else 0)
+
+
+def run_candidate(cand, spec, h, t, opts, train):
+    """Per-token loss ``[N]`` of ``spec`` on ``h`` by candidate path ``cand``."""
+    if cand.impl == "stock":
+        return stock_per_token(spec, h, t, opts.softcap, opts.logit_scale)
+    if cand.vocab_chunk:
+        opts = opts._replace(token_chunk=cand.token_chunk, vocab_chunk=cand.vocab_chunk)
+    return backends.resolve(cand.backend, spec, opts)(spec, h, t, opts, train)
 
 
 def _trainable_parts(spec):

@@ -10,7 +10,16 @@ priority; the pure-MLX ``"mlx"`` backend runs everywhere. A fused kernel
 without changing the public call.
 """
 
+import mlx.core as mx
+
 from . import cuda, cuda_gemm, portable
+
+# The pure-MLX path's blocks on a GPU when the caller sets none: big enough
+# that the device is not launch-bound (measured on the H200,
+# benchmarks/results/flash-cce-h200.md).
+GPU_TOKEN_CHUNK = 8192
+GPU_VOCAB_CHUNK = 16384
+BIG_BLOCK = 1 << 22  # token_chunk x vocab_chunk from which a GPU takes the one-pass big-block path
 
 _REGISTRY = {}
 
@@ -40,6 +49,38 @@ def available():
     return out
 
 
+def supports(name, head, opts):
+    return _REGISTRY[name]["supports"](head, opts)
+
+
+def big_blocks(name, head, opts):
+    """Does ``name`` run big blocks that need MLX's backpressure (``budget``) on this device?"""
+    if mx.default_device() != mx.gpu or not cuda_gemm.supports(head, opts):
+        return False
+    if opts.filter_eps is not None or opts.block_skip_eps is not None:
+        return False
+    return not opts.vocab_chunk or opts.token_chunk * opts.vocab_chunk >= BIG_BLOCK
+
+
+def mlx_per_token(head, hidden, targets, opts, train=None):
+    """The pure-MLX backend (MLX operations only, the path every GPU has).
+
+    On the CPU: ``portable`` (small blocks; the CPU allocates only a few
+    operations ahead). On a GPU: one pass in big blocks through
+    ``cuda_gemm``'s structure with its compiled MLX step (no custom
+    kernel), so that the device is not launch-bound: 8192 x 16384 blocks
+    unless the caller sets ``vocab_chunk``. Heads with a bias or LoRA and
+    the gradient filters stay on ``portable`` everywhere.
+    """
+    if not big_blocks("mlx", head, opts):
+        return portable.per_token(head, hidden, targets, opts, train)
+    if not opts.vocab_chunk:
+        opts = opts._replace(token_chunk=GPU_TOKEN_CHUNK, vocab_chunk=GPU_VOCAB_CHUNK)
+    if opts.elementwise not in ("mlx", "mlx-f32"):
+        opts = opts._replace(elementwise="mlx")
+    return cuda_gemm.per_token(head, hidden, targets, opts, train)
+
+
 def resolve(name, head, opts):
     """The ``per_token`` function for ``name`` (or the best for ``"auto"``)."""
     if name != "auto":
@@ -55,10 +96,9 @@ def resolve(name, head, opts):
     raise ValueError("no flash-cce backend supports this head")  # "mlx" supports all
 
 
-register("mlx", portable.per_token, priority=0)
+register("mlx", mlx_per_token, priority=0)
 register("cuda", cuda.per_token, available=cuda.available, priority=10, supports=cuda.supports)
-# Big cuBLAS blocks (``cuda_gemm``): runs anywhere, but only on request until
-# an H200 run shows whether it beats the fused kernels there (then raise
-# its priority on CUDA); below "mlx" so that "auto" never picks it.
+# Big cuBLAS blocks (``cuda_gemm``): runs anywhere; ``auto`` reaches it
+# through its trial (``autotune``), never by priority.
 register("cuda-gemm", cuda_gemm.per_token, available=cuda_gemm.available, priority=-1,
          supports=cuda_gemm.supports)

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_CHUNK = 8192  # used unless the caller sets vocab_chunk (then token_chunk, vocab_chunk)
 VOCAB_CHUNK = 8192
-ELEMENTWISE = ("auto", "kernel", "mlx")
+ELEMENTWISE = ("auto", "kernel", "mlx", "mlx-f32")
 NEG_INF_BITS = "0xff800000"
 
 # One thread block per token row of a [rows, cols] logit block: max, then
@@ -204,6 +204,7 @@ class Config(NamedTuple):
     compute_dtype: mx.Dtype
     kernel: bool  # the CUDA row kernel for the elementwise step (else compiled MLX)
     train_weight: bool
+    lean: bool = True  # the MLX step without float32 [Tc, Vc] arrays (see mlx_step)
 
 
 def _row_kernel():
@@ -235,11 +236,43 @@ def kernel_step(z, m, l, softcap=None, logit_scale=None):
     return m_new, a, l_new, p
 
 
-def mlx_step(cfg):
-    """Compiled MLX version of ``kernel_step`` for ``cfg``'s soft cap and
-    scale: the pure-MLX backend's block update, in float32 from the blocks'
-    dtype."""
-    return portable._online_step(cfg, float32_in=True)
+def mlx_step(cfg, lean=True):
+    """Compiled MLX version of ``kernel_step`` for ``cfg``'s soft cap and scale.
+
+    ``lean`` (the pure-MLX GPU path): the block max is taken on the raw
+    logits in their own dtype (exact; capping and a positive scale are
+    monotone, so they apply to the max afterwards), ``P`` is written once
+    in the blocks' dtype and summed from there, so no float32 ``[Tc, Vc]``
+    array is ever written: MLX's compiler fuses elementwise work but not
+    reductions, and each float32 intermediate that feeds one is a round
+    trip through memory. The sum of bf16 ``P`` rounds each block's sum to
+    the blocks' precision (relative 2^-9), finer than the bf16 logits
+    themselves. Soft-capped logits (``P = exp(z - m) * dz`` with ``dz`` per
+    element) and ``lean=False`` use the pure-MLX backend's float32 step.
+    """
+    scale = cfg.logit_scale
+    if not lean or cfg.softcap is not None or (scale is not None and scale <= 0) or not cfg.with_grad:
+        return portable._online_step(cfg, float32_in=True)
+    key = ("lean", scale)
+    if key not in _LEAN:
+
+        def step(r, m, l):
+            top = r.max(axis=1).astype(mx.float32)
+            m_new = mx.maximum(m, top if scale is None else top * scale)
+            a = mx.exp(m - m_new)
+            z = r.astype(mx.float32) if scale is None else r.astype(mx.float32) * scale
+            p = mx.exp(z - m_new[:, None])
+            if scale is not None:
+                p = p * scale  # coef = exp(z - m) * dz, dz = scale
+            p = p.astype(r.dtype)
+            s = p.sum(axis=1).astype(mx.float32)
+            return m_new, a, l * a + (s if scale is None else s / scale), p
+
+        _LEAN[key] = mx.compile(step)
+    return _LEAN[key]
+
+
+_LEAN = {}
 
 
 def _accumulate(acc, a, pw):
@@ -272,7 +305,7 @@ def _forward(cfg, h, t, arrays):
     n_tok, vocab = h.shape[0], arrays["weight"].shape[0]
     cd = cfg.compute_dtype
     nc, vc = cfg.token_chunk, cfg.vocab_chunk
-    step = None if cfg.kernel else mlx_step(cfg)
+    step = None if cfg.kernel else mlx_step(cfg, lean=cfg.lean)
     head = _heads.Head(kind=cfg.kind, group_size=cfg.group_size, bits=cfg.bits, mode=cfg.mode)
     ces, lses, ds = [], [], []
     gate = []
@@ -381,7 +414,7 @@ def use_kernel(opts, dtype):
     how = getattr(opts, "elementwise", None) or "auto"
     if how not in ELEMENTWISE:
         raise ValueError(f"elementwise must be one of {', '.join(ELEMENTWISE)}, got {how!r}")
-    if how == "mlx":
+    if how in ("mlx", "mlx-f32"):
         return False
     ok = on_cuda() and dtype in (mx.bfloat16, mx.float16, mx.float32)
     if how == "kernel" and not ok:
@@ -407,5 +440,6 @@ def per_token(head, hidden, targets, opts, train=None):
         softcap=opts.softcap, logit_scale=opts.logit_scale, token_chunk=nc, vocab_chunk=vc,
         with_grad=opts.with_grad, compute_dtype=cd, kernel=opts.with_grad and use_kernel(opts, cd),
         train_weight=head.kind == "dense" and bool(train.get("weight", True)),
+        lean=getattr(opts, "elementwise", None) != "mlx-f32",
     )
     return _core(cfg)(hidden, targets.astype(mx.int32), *values)[0]

@@ -109,6 +109,8 @@ def self_check(model, arch, options):
         want = nn.losses.cross_entropy(logits, targets)
         hidden = arch.hidden(model, inputs)
         flash_opts = {k: v for k, v in options.items() if k not in ("impl", "min_flash_elements")}
+        if flash_opts.get("backend", "auto") == "auto":
+            flash_opts["backend"] = "mlx"  # checks the decomposition; no trial on a 12-token input
         got = api.linear_cross_entropy(
             hidden, head, targets, softcap=softcap, logit_scale=scale,
             reduction="none", impl="flash" if _sliceable(head) else "chunked", **flash_opts,
@@ -200,16 +202,21 @@ def _report(name, hidden, head, targets, options):
     opts = portable.Options(**{k: v for k, v in options.items() if k in portable.Options._fields})
     nc, vc = portable.vocab_chunk_for(opts, n_tok, vocab)
     how = f"works in [{nc}, {vc}] float32 blocks ({nc * vc * 4 / 2**20:.1f} MiB each)"
-    from . import backends, cuda
+    backend = options.get("backend", "auto")
+    if backend == "auto" and options.get("impl", "auto") in ("auto", "flash"):
+        how = "runs the fastest path within the memory budget (the 'flash-cce auto' line says which)"
+    elif backend == "cuda":
+        from . import cuda
 
-    if options.get("backend", "auto") in ("auto", "cuda") and "cuda" in backends.available():
         plan = cuda.plan(head, hidden.reshape(-1, hidden.shape[-1]))
         how = "runs fused CUDA kernels" if plan == "cuda" else f"runs the pure-MLX path ({plan}) in [{nc}, {vc}] blocks"
-    elif options.get("backend") == "cuda-gemm":
-        from . import cuda_gemm
+    elif backend == "cuda-gemm" or backend == "mlx" and mx.default_device() == mx.gpu:
+        from . import backends, cuda_gemm
 
+        if backend == "mlx" and not opts.vocab_chunk:
+            opts = opts._replace(token_chunk=backends.GPU_TOKEN_CHUNK, vocab_chunk=backends.GPU_VOCAB_CHUNK)
         nc, vc = cuda_gemm.blocks(opts, n_tok, vocab)
-        how = f"runs cuBLAS blocks of [{nc}, {vc}] logits (cuda-gemm backend)"
+        how = f"runs one pass in [{nc}, {vc}] blocks ({backend} backend)"
     print(
         f"flash-cce: batch of {n_tok} tokens x {vocab} vocab: the stock loss holds "
         f"[{n_tok}, {vocab}] logits and their gradient ({2 * logit_bytes / 2**20:.0f} MiB and up); "

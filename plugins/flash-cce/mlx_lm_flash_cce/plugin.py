@@ -12,9 +12,12 @@ defaults are applied in ``activate``):
 ``--cce-crossover``     logits (tokens x vocab) below which the stock-style
                         head runs (default: api.MIN_FLASH_ELEMENTS)
 ``--cce-no-check``      skip the one-time self-check against the model's logits
+``--cce-memory-budget`` most working memory of the loss head above its inputs,
+                        e.g. 512M, 2G (default: budget.DEFAULT_BUDGET)
 """
 
 import argparse
+import logging
 
 from mlx_lm_ext import PluginError, hookimpl
 
@@ -29,7 +32,11 @@ DEFAULTS = {
     "cce_block_skip_eps": None,
     "cce_crossover": None,
     "cce_no_check": False,
+    "cce_memory_budget": None,
 }
+
+log = logging.getLogger("mlx_lm_flash_cce")
+_handler = []
 
 _options = {}
 
@@ -61,6 +68,9 @@ def add_arguments(command, group):
                        help="use the stock-style head below this many logits per batch (tokens x vocab)")
     group.add_argument("--cce-no-check", action="store_true", default=None,
                        help="skip the one-time check against the model's own logits")
+    group.add_argument("--cce-memory-budget", default=None, metavar="SIZE",
+                       help="most working memory the loss head may use above its inputs, e.g. 512M or 2G; "
+                            "the auto backend keeps the fastest path within it (default 2G)")
 
 
 def options_from(args):
@@ -77,8 +87,13 @@ def options_from(args):
     impl = get("cce_impl")
     if impl not in ("auto", "flash", "stock", "chunked"):
         raise PluginError(f"--cce-impl must be auto, flash, stock or chunked, got {impl!r}")
-    from . import backends
+    from . import backends, budget
 
+    size = get("cce_memory_budget")
+    try:
+        memory_budget = budget.resolve(size)
+    except ValueError as e:
+        raise PluginError(f"--cce-memory-budget: {e}") from None
     backend = get("cce_backend")
     if backend != "auto" and backend not in backends.available():
         raise PluginError(f"--cce-backend {backend!r} is not available here (have: {', '.join(backends.available())})")
@@ -91,6 +106,7 @@ def options_from(args):
         "block_skip_eps": get("cce_block_skip_eps"),
         "min_flash_elements": get("cce_crossover"),
         "check": not get("cce_no_check"),
+        "memory_budget": memory_budget,
     }
 
 
@@ -98,11 +114,23 @@ def options_from(args):
 def activate(command, args):
     _options.clear()
     _options.update(options_from(args if args is not None else argparse.Namespace()))
+    if command == "lora" and not log.handlers:
+        # mlx_lm.lora configures no logging: show the auto backend's one line.
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        _handler.append(handler)
 
 
 @hookimpl
 def deactivate():
+    from . import budget
+
     _options.clear()
+    budget.LIMIT.release()  # the memory limit a GPU path held during training
+    while _handler:
+        log.removeHandler(_handler.pop())
 
 
 @hookimpl
@@ -112,7 +140,18 @@ def make_loss(name, model, args):
     from .loss import make_loss as build
 
     options = dict(_options) if _options else options_from(args)
-    return build(model, **options)
+    fn = build(model, **options)
+
+    def loss(model, batch, lengths):
+        try:
+            return fn(model, batch, lengths)
+        except PluginError as e:  # e.g. a memory budget no path fits: bad input, exit 2
+            from mlx_lm_ext import plugins
+
+            plugins.fail(str(e))
+
+    loss.flash, loss.arch, loss.check = fn.flash, fn.arch, fn.check
+    return loss
 
 
 @hookimpl

@@ -6,3 +6,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _autotune_cache(tmp_path, monkeypatch):
+    """Each test's auto-backend choices go to its own folder, never the user's cache."""
+    from mlx_lm_flash_cce import autotune
+
+    monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "flash-cce-cache"))
+    autotune._MEMORY.clear()
+    yield
+    autotune._MEMORY.clear()

@@ -155,7 +155,7 @@ def test_cpu_never_picks_the_kernels():
     assert "cuda" in backends.names() and "cuda" not in backends.available()
     hidden, head, targets = _case(8, 100, 128)
     opts = portable.Options()
-    assert backends.resolve("auto", head, opts) is portable.per_token
+    assert backends.resolve("auto", head, opts) is backends.mlx_per_token
     with pytest.raises(ValueError, match="not available"):
         backends.resolve("cuda", head, opts)
     assert cuda.plan(head, hidden) == "no CUDA GPU as the default device"

@@ -30,7 +30,7 @@ def test_options_apply_defaults_and_flags():
     opts = plugin.options_from(_parse())
     assert opts == {
         "impl": "auto", "backend": "auto", "token_chunk": 256, "vocab_chunk": 0, "filter_eps": None,
-        "block_skip_eps": None, "min_flash_elements": None, "check": True,
+        "block_skip_eps": None, "min_flash_elements": None, "check": True, "memory_budget": 2 << 30,
     }
     opts = plugin.options_from(_parse("--cce-token-chunk", "256", "--cce-filter-eps", "1e-5", "--cce-no-check"))
     assert opts["token_chunk"] == 256 and opts["filter_eps"] == 1e-5 and opts["check"] is False
@@ -43,6 +43,8 @@ def test_options_apply_defaults_and_flags():
         (("--cce-vocab-chunk", "-5"), "positive integer"),
         (("--cce-filter-eps", "2"), "between 0 and 1"),
         (("--cce-backend", "metal-fused"), "not available"),
+        (("--cce-memory-budget", "lots"), "not a memory size"),
+        (("--cce-memory-budget", "100K"), "below what any flash-cce path needs"),
     ],
 )
 def test_bad_flags_are_plugin_errors(argv, message):

@@ -1,0 +1,395 @@
+"""``backend="auto"``: measure the candidate paths once, keep the fastest that fits.
+
+On the first call of a shape bucket (the first training batch), each
+candidate path runs loss + hidden-state gradient once on inputs of the
+call's shapes, dtype and head kind, on its device, and the fastest whose
+peak working memory fits the memory budget wins. Candidates:
+
+- ``stock``: the full-logit head, where its logits fit the budget;
+- ``mlx``: the pure-MLX path; on a GPU in big blocks with the one-pass
+  step and MLX's backpressure (``budget.bounded``), on the CPU in today's
+  small blocks (the CPU allocates only a few operations ahead);
+- ``cuda-gemm`` (CUDA GPU): the same blocks with its CUDA row kernel;
+- ``cuda`` fused kernels and the pure-MLX path in small blocks: the least
+  memory and the slowest, so they are tried only when nothing else fits
+  (their compile time would otherwise dominate the trial).
+
+One log line says what was tried and what won. The choice is kept in
+memory and on disk (``cache_root()/flash-cce/autotune.json``: the user
+cache dir or ``$MLX_LM_EXT_CACHE``; ``$MLX_LM_FLASH_CCE_CACHE`` names
+another folder) per (device, MLX version, shape
+bucket, dtype, head kind, budget); an entry written by another MLX version
+or device is ignored. A candidate that fails (out of memory, a kernel
+that does not build) is dropped with a debug log line.
+
+Data-parallel runs (``mx.distributed``): rank 0 decides (its cache or its
+trial) and every rank takes rank 0's choice through one ``all_sum``, so
+the ranks never run different paths.
+"""
+
+import gc
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import mlx.core as mx
+
+from . import budget as _budget
+from . import heads as _heads
+
+log = logging.getLogger("mlx_lm_flash_cce")
+
+MIB = 1 << 20
+CACHE_VERSION = 1
+# Big-block configurations for a GPU: (tokens, vocabulary rows, limit MiB
+# above the inputs), fastest first; measured on the H200
+# (benchmarks/results/flash-cce-h200.md).
+GPU_BLOCKS = ((8192, 16384, 1024), (4096, 8192, 256), (2048, 8192, 128))
+
+
+class Candidate(NamedTuple):
+    impl: str  # "stock" | "flash"
+    backend: str = ""  # flash backend: "mlx", "cuda-gemm", "cuda"
+    token_chunk: int = 0  # 0: the backend's own blocks
+    vocab_chunk: int = 0
+    limit_mib: int = 0  # mx.set_memory_limit headroom above the inputs (0: none)
+    last_resort: bool = False  # tried only when nothing else fits the budget
+
+    @property
+    def label(self) -> str:
+        if self.impl == "stock":
+            return "stock"
+        out = self.backend
+        if self.vocab_chunk:
+            out += f" {self.token_chunk}x{self.vocab_chunk}"
+        if self.limit_mib:
+            out += f" +{self.limit_mib}M"
+        return out
+
+
+class Result(NamedTuple):
+    candidate: Candidate
+    ms: float
+    peak: int  # bytes above the inputs
+
+
+class Choice(NamedTuple):
+    candidate: Candidate
+    ms: float
+    peak: int
+    line: str  # the log line of the trial that made it
+
+
+def device_name() -> str:
+    dev = mx.default_device()
+    try:
+        name = mx.device_info().get("device_name", "")
+    except Exception:  # noqa: BLE001 (older MLX without device_info)
+        name = ""
+    return f"{'gpu' if dev == mx.gpu else 'cpu'}:{name}"
+
+
+def head_kind(spec) -> str:
+    if spec.kind == "quantized":
+        return f"q{spec.bits}-{spec.mode}-g{spec.group_size}"
+    return spec.kind
+
+
+def bucket(n_tokens: int) -> int:
+    """Tokens rounded up to a power of two: batches of similar length share a choice."""
+    return 1 << max(0, (n_tokens - 1).bit_length())
+
+
+CACHE_ENV = "MLX_LM_FLASH_CCE_CACHE"  # a folder for the choices, instead of the user cache dir
+
+
+def cache_path() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]) / "autotune.json"
+    from mlx_lm_ext.models import cache_root
+
+    return cache_root() / "flash-cce" / "autotune.json"
+
+
+def _key(spec, n, h, dtype, nbytes, opts) -> str:
+    extra = ""
+    if opts.softcap is not None or opts.logit_scale is not None:
+        extra = f"|cap{opts.softcap}|scale{opts.logit_scale}"
+    return f"N{bucket(n)}|V{spec.vocab}|H{h}|{_dtype(dtype)}|{head_kind(spec)}|budget{nbytes}{extra}"
+
+
+def _dtype(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _load_cache() -> dict:
+    try:
+        data = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and data.get("version") == CACHE_VERSION else {}
+
+
+def _save_cache(key: str, entry: dict) -> None:
+    path = cache_path()
+    try:
+        data = _load_cache() or {"version": CACHE_VERSION}
+        data.setdefault("choices", {})[key] = entry
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache costs a trial next time, nothing else
+        log.debug("flash-cce auto: cannot write %s: %s", path, e)
+
+
+def _cached(key: str) -> Optional[Choice]:
+    entry = _load_cache().get("choices", {}).get(key)
+    if not entry:
+        return None
+    if entry.get("mlx") != mx.__version__ or entry.get("device") != device_name():
+        log.debug("flash-cce auto: cached choice for %s is from mlx %s on %s; measuring again",
+                  key, entry.get("mlx"), entry.get("device"))
+        return None
+    try:
+        cand = Candidate(**entry["candidate"])
+    except (TypeError, KeyError):
+        return None
+    return Choice(cand, entry.get("ms", 0.0), entry.get("peak", 0), entry.get("line", ""))
+
+
+# ------------------------------------------------------------- candidates
+
+
+def stock_bytes(n: int, vocab: int, dtype) -> int:
+    """The stock loss's working memory: measured ~4 bytes a logit in bf16, 16 in float32."""
+    return n * vocab * (16 if dtype.size >= 4 else 4)
+
+
+def floor_bytes(cand: Candidate, n: int, h: int, dtype) -> int:
+    """A lower bound on a candidate's working memory (accumulators, outputs, two blocks)."""
+    if cand.impl == "stock":
+        return 0  # stock_bytes is checked separately
+    acc = n * h * (4 + dtype.size)
+    if cand.vocab_chunk:
+        return acc + 2 * cand.token_chunk * cand.vocab_chunk * dtype.size
+    return acc
+
+
+def candidates(spec, n: int, h: int, dtype, include_stock: bool) -> list:
+    from . import backends, cuda
+
+    out = [Candidate("stock")] if include_stock else []
+    if not _budget.is_async_gpu():
+        return out + [Candidate("flash", "mlx")]
+    plain = spec.bias is None and not spec.has_lora
+    here = backends.available()
+    seen = set()
+    for backend in ("mlx", "cuda-gemm"):
+        if backend not in here or not plain or (backend == "cuda-gemm" and not cuda.available()):
+            continue
+        for tc, vc, limit in GPU_BLOCKS:
+            tc, vc = min(tc, n), min(vc, spec.vocab)
+            if (backend, tc, vc) not in seen:
+                seen.add((backend, tc, vc))
+                out.append(Candidate("flash", backend, tc, vc, limit))
+    if "cuda" in here and plain:
+        out.append(Candidate("flash", "cuda", last_resort=True))
+    # The CPU's small blocks: launch-bound on a GPU, but the least memory.
+    out.append(Candidate("flash", "mlx", 256, 1024, last_resort=plain))
+    return out
+
+
+# ----------------------------------------------------------------- trial
+
+
+def _synthetic(spec, n, h, dtype, seed=0):
+    """Inputs of the call's shapes, dtype and head kind (the real ones may be tracers)."""
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    hidden = mx.random.normal((n, h), key=k1).astype(dtype)
+    targets = mx.random.randint(0, spec.vocab, (n,), key=k3)
+    w = mx.random.normal((spec.vocab, h), key=k2) * h**-0.5
+    if spec.kind == "quantized":
+        parts = mx.quantize(w, group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
+        head = spec._replace(weight=parts[0], scales=parts[1], biases=parts[2] if len(parts) > 2 else None,
+                             bias=None, lora_a=None, lora_b=None, module=None)
+    else:
+        head = spec._replace(weight=w.astype(spec.weight.dtype), bias=None, lora_a=None, lora_b=None, module=None)
+    mx.eval(hidden, targets, _heads.head_arrays(head)[1])
+    return hidden, head, targets
+
+
+def _measure(run, cand, hidden, warmup) -> Result:
+    """Milliseconds and peak bytes above the inputs of loss + hidden gradient."""
+    grad = mx.value_and_grad(lambda x: run(cand, x).sum())
+    with _budget.bounded(cand.limit_mib * MIB):
+        for i in range(warmup + 1):
+            gc.collect()
+            mx.clear_cache()
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+            tic = time.perf_counter()
+            out = grad(hidden)
+            mx.eval(out)
+            mx.synchronize()
+            dt = time.perf_counter() - tic
+            peak = mx.get_peak_memory() - base
+            del out
+    return Result(cand, 1e3 * dt, peak)
+
+
+def trial(cands, spec, n, h, dtype, nbytes, run_choice):
+    """Time each candidate; return ``(results, failed)`` (results in trial order)."""
+    hidden, head, _ = _synthetic(spec, n, h, dtype)
+    targets = mx.random.randint(0, spec.vocab, (n,), key=mx.random.key(1))
+    warmup = 1 if _budget.is_async_gpu() else 0
+    results, failed = [], []
+
+    def run(cand, x):
+        return run_choice(cand, head, x, targets)
+
+    for cand in [c for c in cands if not c.last_resort]:
+        results.append(_try(run, cand, hidden, warmup, failed))
+    if not any(r and r.peak <= nbytes for r in results):
+        for cand in [c for c in cands if c.last_resort]:
+            results.append(_try(run, cand, hidden, warmup, failed))
+            if results[-1] and results[-1].peak <= nbytes:
+                break
+    del hidden, head
+    gc.collect()
+    mx.clear_cache()
+    return [r for r in results if r], failed
+
+
+def _try(run, cand, hidden, warmup, failed) -> Optional[Result]:
+    try:
+        return _measure(run, cand, hidden, warmup)
+    except Exception as e:  # noqa: BLE001 (out of memory, a kernel that fails to build: drop it)
+        log.debug("flash-cce auto: %s failed in the trial (%s: %s); dropped", cand.label, type(e).__name__, e)
+        failed.append(cand)
+        gc.collect()
+        mx.clear_cache()
+        return None
+
+
+# ---------------------------------------------------------------- choice
+
+_MEMORY = {}  # key -> Choice, this process
+
+
+def _stock_reference(n, vocab, dtype) -> bool:
+    """Time the stock head as the reference even over budget? On a GPU with room for it."""
+    if not _budget.is_async_gpu():
+        return False
+    try:
+        total = mx.device_info().get("memory_size", 0)
+    except Exception:  # noqa: BLE001
+        total = 0
+    return 0 < stock_bytes(n, vocab, dtype) <= total // 4
+
+
+def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock) -> Choice:
+    """This process's choice: a cached one, the only candidate that fits, or a trial's winner."""
+    from mlx_lm_ext import PluginError
+
+    fits_stock = include_stock and stock_bytes(n, spec.vocab, dtype) <= nbytes
+    cands = candidates(spec, n, h, dtype, fits_stock or (include_stock and _stock_reference(n, spec.vocab, dtype)))
+    within = [c for c in cands if c.impl != "stock" and floor_bytes(c, n, h, dtype) <= nbytes]
+    if fits_stock:
+        within.insert(0, Candidate("stock"))
+    what = f"[{n} tokens, V={spec.vocab}, H={h}, {_dtype(dtype)}, {head_kind(spec)} head]"
+    if not within:
+        smallest = min(floor_bytes(c, n, h, dtype) for c in cands if c.impl != "stock")
+        raise PluginError(f"--cce-memory-budget {_budget.format_size(nbytes)} is below what any flash-cce path "
+                          f"needs for a batch of {what}: the smallest is {_budget.format_size(smallest)}")
+    if len(within) == 1 and not any(c.impl == "stock" for c in cands):
+        only = within[0]
+        line = (f"flash-cce auto: {what}: {only.label} (the only path within the budget "
+                f"{_budget.format_size(nbytes)}; the stock head needs ~"
+                f"{_budget.format_size(stock_bytes(n, spec.vocab, dtype))}, no trial)")
+        return Choice(only, 0.0, 0, line)
+    tic = time.perf_counter()
+    results, failed = trial([c for c in cands if c.impl == "stock" or c in within], spec, n, h, dtype, nbytes,
+                            run_choice)
+    spent = time.perf_counter() - tic
+    fit = [r for r in results if r.peak <= nbytes]
+    if not fit:
+        if not results:  # every candidate failed: the default path, as without a trial
+            cand = Candidate("flash", "mlx")
+            log.warning("flash-cce auto: every candidate failed in the trial (%s); using %s",
+                        ", ".join(c.label for c in failed), cand.label)
+            return Choice(cand, 0.0, 0, "")
+        best = min(results, key=lambda r: r.peak)
+        raise PluginError(f"--cce-memory-budget {_budget.format_size(nbytes)} is below what any flash-cce path "
+                          f"needs for a batch of {what}: the smallest measured is "
+                          f"{_budget.format_size(best.peak)} ({best.candidate.label})")
+    win = min(fit, key=lambda r: r.ms)
+    stock = next((r for r in results if r.candidate.impl == "stock"), None)
+    tried = ", ".join(f"{r.candidate.label} {r.ms:.1f} ms/{r.peak / MIB:.0f} MiB"
+                      + (" (over budget)" if r.peak > nbytes else "") for r in results)
+    tried += "".join(f", {c.label} failed" for c in failed)
+    line = (f"flash-cce auto: {what}, budget {_budget.format_size(nbytes)}: tried {tried}; "
+            f"chose {win.candidate.label} ({win.ms:.1f} ms, {win.peak / MIB:.0f} MiB")
+    if stock is not None and win.candidate.impl != "stock":
+        line += f", {win.ms / stock.ms:.2f}x stock's time"
+    line += f"); trial {spent:.1f} s"
+    if stock is not None and stock.peak > nbytes and win.ms > 1.5 * stock.ms:
+        line += (f"; nothing within the budget is within 1.5x of stock's {stock.ms:.1f} ms "
+                 "(a larger --cce-memory-budget buys speed)")
+    return Choice(win.candidate, win.ms, win.peak, line)
+
+
+def _agree(index: int) -> int:
+    """Rank 0's candidate index on every rank (-1: rank 0 failed)."""
+    group = mx.distributed.init() if mx.distributed.is_available() else None
+    if group is None or group.size() == 1:
+        return index
+    mine = index if group.rank() == 0 else 0
+    total = mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group)
+    mx.eval(total)
+    return int(total.item())
+
+
+def _rank() -> int:
+    if not mx.distributed.is_available():
+        return 0
+    return mx.distributed.init().rank()
+
+
+def choose(spec, n, h, dtype, nbytes, opts, run_choice, include_stock=True) -> Candidate:
+    """The path for this call: cached, or measured now (rank 0's on every rank)."""
+    from mlx_lm_ext import PluginError
+
+    key = _key(spec, n, h, dtype, nbytes, opts)
+    if key in _MEMORY:
+        return _MEMORY[key].candidate
+    cands = candidates(spec, n, h, dtype, include_stock) + [Candidate("stock"), Candidate("flash", "mlx")]
+    choice, error = None, None
+    if _rank() == 0:
+        choice = _cached(key)
+        if choice is not None and choice.candidate not in cands:
+            choice = None  # written by a version with other candidates
+        if choice is None:
+            try:
+                choice = decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock)
+            except PluginError as e:
+                error = e
+            else:
+                if choice.line:
+                    log.info(choice.line)
+                    _save_cache(key, {"candidate": choice.candidate._asdict(), "ms": choice.ms,
+                                      "peak": choice.peak, "line": choice.line, "mlx": mx.__version__,
+                                      "device": device_name()})
+        else:
+            log.info("%s (cached)", choice.line.split("; trial")[0] if choice.line else choice.candidate.label)
+    index = _agree(-1 if error is not None else (cands.index(choice.candidate) if choice else 0))
+    if index < 0:
+        raise error if error is not None else PluginError("flash-cce auto: rank 0 found no path within the "
+                                                          "memory budget")
+    if choice is None or cands.index(choice.candidate) != index:
+        choice = Choice(cands[index], 0.0, 0, "")
+    _MEMORY[key] = choice
+    return choice.candidate
