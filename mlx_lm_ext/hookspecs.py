@@ -63,13 +63,38 @@ def deactivate():
 
 
 @hookspec(firstresult=True)
-def make_prompt_cache(args, max_size):
+def make_prompt_cache(args, max_size, max_bytes):
     """Return the server's prompt cache, or ``None`` to leave it alone.
 
-    Called where ``mlx_lm.server`` builds ``LRUPromptCache(max_size)``; the
-    result must behave as an ``LRUPromptCache``. ``args`` is the server's
-    parsed command line. If this hook raises, the server keeps the stock
-    cache and logs a warning.
+    Called where ``mlx_lm.server`` builds ``LRUPromptCache(max_size,
+    max_bytes)`` (both with the class's defaults when left out); the result
+    must be an ``mlx_lm.models.cache.LRUPromptCache``. ``args`` is the
+    server's parsed command line (or the plugin's options when enabled from
+    Python). If this hook raises, the server keeps the stock cache and logs a
+    warning.
+    """
+
+
+@hookspec
+def model_loaded(command, model_key, model, draft_model, tokenizer):
+    """A model was loaded: ``mlx_lm.server`` (at start-up or for a request).
+
+    ``model_key`` is the server's key ``(model, adapter, draft model)``, the
+    one its prompt cache is called with; ``draft_model`` is mlx-lm's own
+    ``--draft-model`` (an ``nn.Module``) or ``None``. Must not raise: a
+    plugin that fails here logs and carries on.
+    """
+
+
+@hookspec
+def prompt_cache_classes():
+    """Return the cache classes this plugin appends to prompt cache lists.
+
+    A plugin whose state rides in the prompt cache after the model's own
+    caches (a drafter's n-gram index, say) lists the classes here, so that a
+    plugin that stores prompt caches can store and rebuild them. Each class
+    has ``state`` and ``meta_state`` and a ``from_state(state, meta_state)``
+    that validates what it is given (it may come from an untrusted file).
     """
 
 

@@ -83,10 +83,10 @@ def extend_parser(parser, command):
                 plugins.check_command(name, command)
                 plugins.add_arguments(name, command, parser)
         except PluginError as e:
-            parser.error(str(e))
+            plugins.fail(str(e))  # one line, not argparse's whole usage block
         ns = original(args, namespace)
         if command != "lora":  # lora activates after its YAML merge (run)
-            _activate_cli(names, command, ns, parser.error)
+            _activate_cli(names, command, ns, plugins.fail)
         return ns
 
     parser.parse_args = parse_args
@@ -117,6 +117,8 @@ def patch(module):
         return
     patcher(module)
     module._mlx_lm_ext_patched = True
+    if "python" in _cli_args:  # plugins enabled from Python before this import
+        on_activate("python")
 
 
 def _patch_generate(mod):
@@ -181,8 +183,9 @@ def _activate_lora(args):
     loss = getattr(args, "loss", None)
     installed = plugins.installed()
     if loss not in (None, "default"):
-        if loss not in installed:
-            have = ", ".join(["default", *sorted(installed)])
+        if loss not in installed or "lora" not in plugins.extends(loss):
+            losses = [n for n in sorted(installed) if "lora" in plugins.extends(n)]
+            have = ", ".join(["default", *losses])
             plugins.fail(f"unknown loss '{loss}' (losses: {have})")
         if loss not in names:
             names.append(loss)
@@ -238,30 +241,42 @@ def _replace(obj, attr, value, key):
     _undo[key] = lambda: setattr(obj, attr, old)
 
 
-def on_activate(command):
-    """Install what the active plugins need, once."""
+def on_activate(command, args=None):
+    """Install what the active plugins need, once.
+
+    ``command`` is the mlx-lm command, or ``"python"`` for plugins enabled
+    from user code: then each module's patches go in as soon as mlx-lm's
+    module is imported (see ``patch``).
+    """
+    if command == "python" and args is not None:
+        # Every plugin enabled from Python adds its options to one namespace.
+        merged = _cli_args.setdefault("python", argparse.Namespace())
+        vars(merged).update(vars(args))
     if plugins.implements("speculative_generate_step"):
         _install_dispatcher()
     if command == "generate" and plugins.implements("make_drafter"):
         _install_generate_drafter()
-    if command == "server":
+    if command == "server" or (command == "python" and "mlx_lm.server" in sys.modules):
         if plugins.implements("make_prompt_cache"):
             _install_prompt_cache()
-        if plugins.implements("make_drafter"):
-            _install_server_drafter()
+        drafters = command == "server" and plugins.implements("make_drafter")
+        if drafters or plugins.implements("model_loaded"):
+            _install_model_hook()
 
 
 def on_deactivate():
     """Undo what no active plugin needs any more (Python API)."""
     needs = {
-        "generate.speculative_generate_step": "speculative_generate_step",
-        "generate.generate": "make_drafter",
-        "server.LRUPromptCache": "make_prompt_cache",
-        "server.ModelProvider._load": "make_drafter",
+        "generate.speculative_generate_step": ("speculative_generate_step",),
+        "generate.generate": ("make_drafter",),
+        "server.LRUPromptCache": ("make_prompt_cache",),
+        "server.ModelProvider._load": ("make_drafter", "model_loaded"),
     }
-    for key, hookname in needs.items():
-        if key in _undo and not plugins.implements(hookname):
+    for key, hooknames in needs.items():
+        if key in _undo and not any(plugins.implements(h) for h in hooknames):
             _undo.pop(key)()
+    if not plugins.active():
+        _cli_args.pop("python", None)
 
 
 def _install_dispatcher():
@@ -309,29 +324,63 @@ def _install_generate_drafter():
 
 
 def _install_prompt_cache():
+    """``mlx_lm.server.LRUPromptCache`` becomes a subclass that asks the plugins.
+
+    It keeps the class's signature and defaults; ``isinstance`` against it
+    holds for whatever cache a plugin returns (that is a stock
+    ``LRUPromptCache`` too), and user subclasses get mlx-lm's own cache.
+    """
     mod = sys.modules["mlx_lm.server"]
     stock = mod.LRUPromptCache
 
-    def LRUPromptCache(max_size, *args, **kwargs):
-        try:
-            cache = plugins.hook().make_prompt_cache(
-                args=_cli_args.get("server"), max_size=max_size
-            )
-        except Exception as e:
-            log.warning("prompt cache plugin failed, using mlx-lm's own: %s", e)
-            cache = None
-        return cache if cache is not None else stock(max_size, *args, **kwargs)
+    class _Meta(type(stock)):
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, stock)
 
+        def __subclasscheck__(cls, sub):
+            return issubclass(sub, stock)
+
+    class LRUPromptCache(stock, metaclass=_Meta):
+        __doc__ = stock.__doc__
+
+        def __new__(cls, max_size: int = 10, max_bytes: int = 1 << 63):
+            if cls is LRUPromptCache:
+                try:
+                    cache = plugins.hook().make_prompt_cache(
+                        args=_cli_args.get("server") or _cli_args.get("python"),
+                        max_size=max_size,
+                        max_bytes=max_bytes,
+                    )
+                except Exception as e:
+                    log.warning("prompt cache plugin failed, using mlx-lm's own: %s", e)
+                    cache = None
+                if cache is not None:
+                    return cache  # not an instance of cls: __init__ is not run again
+            return super().__new__(cls)
+
+    LRUPromptCache.__module__ = stock.__module__
+    LRUPromptCache.__qualname__ = stock.__qualname__
     _replace(mod, "LRUPromptCache", LRUPromptCache, "server.LRUPromptCache")
 
 
-def _install_server_drafter():
+def _install_model_hook():
+    """Tell plugins of each model the server loads; hand drafters to mlx-lm."""
     provider = sys.modules["mlx_lm.server"].ModelProvider
     original = provider._load
 
     @functools.wraps(original)
     def _load(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
+        command = "server" if "server" in _cli_args else "python"
+        try:
+            plugins.hook().model_loaded(
+                command=command, model_key=self.model_key, model=self.model,
+                draft_model=self.draft_model, tokenizer=self.tokenizer,
+            )
+        except Exception as e:
+            log.warning("a plugin failed on the loaded model: %s", e)
+        if command != "server" or not plugins.implements("make_drafter"):
+            return result
         try:
             drafter = plugins.hook().make_drafter(
                 command="server",
@@ -350,3 +399,8 @@ def _install_server_drafter():
         return result
 
     _replace(provider, "_load", _load, "server.ModelProvider._load")
+
+
+def prompt_cache_classes():
+    """Cache classes the active plugins append to prompt caches (see the hook)."""
+    return [cls for classes in plugins.hook().prompt_cache_classes() for cls in classes or ()]

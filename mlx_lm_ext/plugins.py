@@ -116,6 +116,18 @@ def commands_of(name):
     return list(call(load(name), "commands") or [])
 
 
+def extends(name):
+    """The commands an installed plugin extends, without registering it."""
+    ep = installed().get(name)
+    if ep is None:
+        return []
+    try:
+        commands = getattr(ep.load(), "commands", None)
+        return list(commands() or []) if callable(commands) else []
+    except Exception:
+        return []
+
+
 def check_command(name, command):
     """Refuse a plugin named on a command it does not extend."""
     cmds = commands_of(name)
@@ -158,7 +170,7 @@ def activate(name, command, args):
     _active[name] = (plugin, args)
     from . import integration
 
-    integration.on_activate(command)
+    integration.on_activate(command, args)
     return plugin
 
 
@@ -182,9 +194,17 @@ def deactivate(name):
 
 
 def enable(name, **options):
-    """Python API: activate ``name`` for calls made from this process."""
+    """Python API: activate ``name`` for calls made from this process.
+
+    ``MLX_LM_EXT_DISABLE=1`` wins: nothing is enabled (a warning says so).
+    """
+    import os
+
     from . import _boot
 
+    if os.environ.get("MLX_LM_EXT_DISABLE", "") not in ("", "0"):
+        log.warning("mlx-lm-ext: MLX_LM_EXT_DISABLE is set; plugin '%s' not enabled", name)
+        return None
     _boot.install()  # where no .pth ran (python -S, embedded interpreters)
     args = defaults(name, "python")
     for key, value in options.items():

@@ -112,9 +112,16 @@ class NGramCache(_BaseCache):
     def meta_state(self, v):
         self.n_min, self.n_max = int(v[0]), int(v[1])
 
+    MAX_N = 64  # a stored index may come from an untrusted file: bound its work
+
     @classmethod
     def from_state(cls, state, meta_state=("2", "4")):
-        obj = cls(int(meta_state[0]), int(meta_state[1]))
+        n_min, n_max = int(meta_state[0]), int(meta_state[1])
+        if n_max > cls.MAX_N:
+            raise ValueError(f"ngram_max {n_max} is over {cls.MAX_N}")
+        if isinstance(state, mx.array) and (state.ndim != 1 or state.dtype != mx.int32):
+            raise ValueError(f"n-gram history of shape {state.shape} and {state.dtype}")
+        obj = cls(n_min, n_max)
         obj.state = state
         return obj
 

@@ -160,6 +160,15 @@ def _assistant(model, args, opts):
 
 
 @hookimpl
+def prompt_cache_classes():
+    # The n-gram index rides after the target's caches; a prompt-cache store
+    # (ssd-cache) may keep it, so a restored prompt drafts from its own text.
+    from .ngram import NGramCache
+
+    return [NGramCache]
+
+
+@hookimpl
 def add_subcommands(subparsers):
     from .assistant_train import add_subcommand
 

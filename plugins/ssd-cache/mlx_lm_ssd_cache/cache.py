@@ -61,11 +61,14 @@ class SSDPromptCache(LRUPromptCache):
         verify: bool = False,
         settings: Optional[dict] = None,
         tier: Optional[DiskTier] = None,
+        live_models=None,
+        extra_classes=None,
     ):
         super().__init__(max_size, max_bytes)
         self._trie = _SpillingTrie(self._spill)
         self.disk = tier or DiskTier(
-            directory, disk_bytes, verify=verify, settings=settings
+            directory, disk_bytes, verify=verify, settings=settings,
+            live_models=live_models, extra_classes=extra_classes,
         )
 
     # ---------------------------------------------------------------- fetch

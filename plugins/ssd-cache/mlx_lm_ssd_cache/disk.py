@@ -27,13 +27,14 @@ from pathlib import Path
 import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 
-from . import fileformat, identity
+from . import fileformat, identity, layout, safefs
 from .index import Entry, PrefixIndex
 
 log = logging.getLogger("mlx_lm_ssd_cache")
 
 TMP_SUFFIX = ".tmp"
 TMP_MAX_AGE = 3600.0  # a .tmp older than this is reaped even if its writer lives
+REJECTED_MAX_AGE = 86400.0  # entries set aside stay a day for inspection
 RESCAN_INTERVAL = 30.0  # pick up entries other servers wrote into our directory
 # Writes are spread at this rate (bytes/s) unless a flush waits for them:
 # a burst of copying competes with decode for memory bandwidth and CPU.
@@ -51,8 +52,10 @@ class Space:
     path: Path
     info: dict
     index: PrefixIndex
+    model_key: object = None
     pending: int = 0  # entries in the index whose file is not written yet
     seen: object = None  # directory (mtime, size) at the last scan
+    ref: object = None  # layout.Reference: the caches the model makes
 
 
 def entry_name(namespace, tokens):
@@ -84,6 +87,8 @@ class DiskTier:
         max_pending_bytes=4 << 30,
         write_rate=WRITE_RATE,
         identify=identity.identify,
+        live_models=None,
+        extra_classes=None,
     ):
         self.root = Path(directory).expanduser()
         self.max_bytes = int(max_bytes)
@@ -94,6 +99,10 @@ class DiskTier:
         self.write_rate = write_rate
         self._flushing = 0  # flushes waiting: write at full speed
         self._identify = identify
+        # model key -> [model, draft model] as loaded (None: not known here);
+        # () -> plugin cache classes that may ride after the model's caches
+        self._live_models = live_models or (lambda key: None)
+        self._extra_classes = extra_classes or (lambda: ())
         self._spaces = {}  # model key -> Space, or None when it has no disk tier
         self._space_lock = threading.Lock()  # one identification + scan at a time
         # Held by a scan and around each rename or removal, so that a scan
@@ -151,7 +160,7 @@ class DiskTier:
             try:
                 fp, ns, info = self._identify(model_key, self.settings)
                 path = self.root / fp / ns
-                space = Space(fp, ns, path, info, PrefixIndex(self.block))
+                space = Space(fp, ns, path, info, PrefixIndex(self.block), model_key)
                 for other in self._spaces.values():  # keys that name the same files
                     if other is not None and other.path == path:
                         space = other
@@ -164,6 +173,9 @@ class DiskTier:
                 )
             except identity.Unidentifiable as e:
                 self._warn(f"unidentifiable:{model_key!r}", f"no disk tier for {e}")
+            except safefs.NotACache as e:
+                self._warn("not a cache", f"no disk tier: {e}")
+                space = None
             except Exception as e:  # identification reads user files: never fatal
                 self._warn("identify", f"no disk tier for {model_key!r}: {e!r}")
                 space = None
@@ -184,81 +196,116 @@ class DiskTier:
             self._scan(space)
 
     def _scan_locked(self, space):
-        """Header-only scan of one directory: index good entries, drop bad ones."""
+        """Header-only scan of one directory: index good entries, set aside bad ones."""
         try:
-            st = os.stat(space.path)
-            space.seen = (st.st_mtime_ns, st.st_size)
-            names = os.listdir(space.path)
+            with safefs.open_space(self.root, space.fingerprint, space.namespace) as fd:
+                st = os.fstat(fd)
+                space.seen = (st.st_mtime_ns, st.st_size)
+                found = self._scan_fd(space, fd)
         except FileNotFoundError:
             return
-        except OSError as e:
+        except OSError as e:  # a link where a directory should be is refused here too
             self._warn("list: " + _kind(e), f"cannot list {space.path}: {e}")
             return
-        found = {}
-        for name in names:
-            path = space.path / name
-            if name.endswith(TMP_SUFFIX):
-                self._maybe_reap(path, name)
-            elif name.endswith(fileformat.SUFFIX):
-                if name in space.index.entries:
-                    found[name] = True
-                    continue
-                entry = self._read_entry(space, path)
-                if entry is not None:
-                    found[name] = True
-                    with self._lock:
-                        space.index.add(entry)
         with self._lock:  # entries another process removed
             for name, e in list(space.index.entries.items()):
                 if name not in found and "snapshot" not in e.extra:
                     space.index.remove(name)
 
-    def _read_entry(self, space, path):
+    def _scan_fd(self, space, fd):
+        found = set()
+        ref = self._reference(space)
+        for name, st in safefs.files(fd):
+            if safefs.TEMP.fullmatch(name):
+                self._maybe_reap(fd, name, st)
+            elif safefs.REJECTED.fullmatch(name):
+                if time.time() - st.st_mtime > REJECTED_MAX_AGE:
+                    self._unlink(space, fd, name)
+            elif name in space.index.entries:
+                found.add(name)
+            else:
+                entry = self._read_entry(space, fd, name, ref)
+                if entry is not None:
+                    found.add(name)
+                    with self._lock:
+                        space.index.add(entry)
+        return found
+
+    def _read_entry(self, space, fd, name, ref):
         try:
-            header = fileformat.read_header(path)
-            self._check_header(space, header, path.name)
-        except fileformat.Corrupt as e:
-            self._remove_corrupt(path, e)
-            return None
+            header = fileformat.read_header(name, dir_fd=fd)
+            self._check_header(space, header, name, ref)
         except OSError as e:
             if not isinstance(e, FileNotFoundError):
-                self._warn("read: " + _kind(e), f"cannot read {path}: {e}")
+                self._warn("read: " + _kind(e), f"cannot read {space.path / name}: {e}")
             return None
-        return Entry(path.name, header.tokens, header.trimmable, header.size, header.mtime)
+        except Exception as e:  # Corrupt, or anything else a crafted file provokes
+            self._set_aside(space, fd, name, e)
+            return None
+        return Entry(name, header.tokens, header.trimmable, header.size, header.mtime)
 
-    def _check_header(self, space, header, name):
+    def _check_header(self, space, header, name, ref):
         meta = header.meta
         if meta.get("fingerprint") != space.fingerprint or meta.get("namespace") != space.namespace:
             raise fileformat.Corrupt("entry of another fingerprint or namespace")
         if entry_name(space.namespace, header.tokens) != name:
             raise fileformat.Corrupt("file name does not match its tokens")
-        expected = space.info.get("n_caches")
-        if expected is not None and len(json.loads(meta["spec"])) != expected:
-            raise fileformat.Corrupt("cache count differs from the model's layout")
+        if header.size > self.max_bytes:
+            raise fileformat.Corrupt(f"{header.size} bytes exceed the disk cap")
+        if ref is None:
+            raise fileformat.Corrupt("the model's cache layout is unknown")
+        layout.validate(header, ref)
 
-    def _remove_corrupt(self, path, why):
-        self._warn("corrupt", f"removed corrupt entry {path}: {why}")
+    def _reference(self, space):
+        """The caches the model makes: from the loaded model when the server has
+        told us of it (exact dtypes), else from its config (random lazy weights)."""
+        live = self._live_models(space.model_key)
+        if space.ref is not None and (space.ref.exact_dtype or not live):
+            return space.ref
+        try:
+            if live:
+                space.ref = layout.reference(live, self.settings, exact_dtype=True)
+            else:
+                models = identity.lazy_models(space.model_key)
+                space.ref = layout.reference(models, self.settings, exact_dtype=False)
+        except Exception as e:  # an architecture that cannot be built from its config
+            self._warn("layout", f"cache layout of {space.info.get('model')} unknown: {e!r}")
+        return space.ref
+
+    def _set_aside(self, space, fd, name, why):
+        """Rename a bad entry to ``<name>.rejected``: never restored, kept a day."""
+        self._warn("corrupt", f"set aside entry {space.path / name}: {why}")
         self._count(removed_corrupt=1)
         try:
-            os.unlink(path)
+            if safefs.ENTRY.fullmatch(name):
+                safefs.rename(fd, name, name + ".rejected")
         except OSError:
             pass
 
-    def _maybe_reap(self, path, name):
+    def _unlink(self, space, fd, name):
+        try:
+            return safefs.unlink(fd, name)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            self._warn("remove: " + _kind(e), f"cannot remove {space.path / name}: {e}")
+            return False
+
+    def _maybe_reap(self, fd, name, st):
         """Remove a temp file whose writer died (same host) or that is stale."""
         parts = name.split(".")
         try:
             host, pid = parts[-4], int(parts[-3])
-            age = time.time() - os.stat(path).st_mtime
-        except (IndexError, ValueError, OSError):
-            host, pid, age = None, None, TMP_MAX_AGE + 1
+        except (IndexError, ValueError):
+            host, pid = None, None
+        age = time.time() - st.st_mtime
         # This process may hold another tier on the same directory (tests):
         # its own temp files are only reaped once stale.
         alive = host == HOST and pid is not None and (pid == os.getpid() or _pid_alive(pid))
         if (not alive and host == HOST) or age > TMP_MAX_AGE:
             try:
-                os.unlink(path)
-                log.info("ssd-cache: reaped unfinished write %s", path)
+                if safefs.unlink(fd, name):
+                    log.info("ssd-cache: reaped unfinished write %s", name)
             except OSError:
                 pass
 
@@ -315,24 +362,52 @@ class DiskTier:
     def _restore(self, space, entry):
         snap = entry.extra.get("snapshot")
         if snap is not None:  # still on its way to disk
-            return fileformat.from_snapshot(snap)
-        path = space.path / entry.name
+            return self._with_extras(*fileformat.from_snapshot(snap))
         try:
-            header = fileformat.read_header(path)
-            self._check_header(space, header, entry.name)
-            if not np.array_equal(header.tokens, entry.tokens):
-                raise fileformat.Corrupt("tokens differ from the index")
-            return fileformat.load(header, verify=self.verify)
-        except fileformat.Corrupt as e:
-            self._forget(space, entry.name)
-            self._remove_corrupt(path, e)
-        except FileNotFoundError:
-            self._forget(space, entry.name)
-            self._warn("vanished", f"entry {path} vanished (removed by another process?)")
+            with safefs.open_space(self.root, space.fingerprint, space.namespace) as fd:
+                return self._restore_file(space, entry, fd)
         except OSError as e:
             self._forget(space, entry.name)  # until a rescan finds it readable
-            self._warn("read: " + _kind(e), f"cannot read {path}: {e}")
+            self._warn("read: " + _kind(e), f"cannot open {space.path}: {e}")
         return None
+
+    def _restore_file(self, space, entry, fd):
+        try:
+            header = fileformat.read_header(entry.name, dir_fd=fd)
+            self._check_header(space, header, entry.name, self._reference(space))
+            if not np.array_equal(header.tokens, entry.tokens):
+                raise fileformat.Corrupt("tokens differ from the index")
+            return self._with_extras(*fileformat.load(header, verify=self.verify, dir_fd=fd))
+        except FileNotFoundError:
+            self._forget(space, entry.name)
+            self._warn("vanished", f"entry {space.path / entry.name} vanished (removed by another process?)")
+        except OSError as e:
+            self._forget(space, entry.name)
+            self._warn("read: " + _kind(e), f"cannot read {space.path / entry.name}: {e}")
+        except Exception as e:  # Corrupt, or whatever else a crafted file provokes
+            self._forget(space, entry.name)
+            self._set_aside(space, fd, entry.name, e)
+        return None
+
+    def _with_extras(self, caches, extras):
+        """The model's caches plus the stored plugin caches this process knows.
+
+        A plugin cache (a drafter's state) is rebuilt only by its own class,
+        registered by its plugin; unknown ones are dropped, and the plugin
+        that needs them makes fresh ones.
+        """
+        known = {c.__name__: c for c in self._extra_classes()}
+        rebuilt = []
+        for name, state, meta_state in extras:
+            cls = known.get(name)
+            if cls is None:
+                return caches
+            try:
+                rebuilt.append(cls.from_state(state, meta_state))
+            except Exception as e:
+                log.debug("ssd-cache: stored %s not restored: %r", name, e)
+                return caches
+        return caches + rebuilt
 
     def _forget(self, space, name):
         with self._lock:
@@ -360,16 +435,17 @@ class DiskTier:
         tokens = np.asarray(tokens, dtype=np.int64)
         if self._known(space, entry_name(space.namespace, tokens), touch):
             return  # e.g. an eviction of an entry written at insert
-        expected = space.info.get("n_caches")
-        if expected is not None and len(prompt_cache) != expected:
-            # e.g. a plugin drafter's caches appended to the model's: a
-            # restore into a server without that drafter would be wrong.
-            log.debug("ssd-cache: not stored: %d caches, the model has %d",
-                      len(prompt_cache), expected)
+        ref = self._reference(space)
+        if ref is None or len(prompt_cache) < len(ref):
+            # An entry that no restore could check is not worth writing.
+            log.debug("ssd-cache: not stored: %d caches, the model makes %s",
+                      len(prompt_cache), None if ref is None else len(ref))
             self._count(skipped=1)
             return
         try:
-            snap = fileformat.snapshot(prompt_cache)
+            # Caches after the model's were added by a plugin (a drafter's
+            # state): kept when their plugin registered their class.
+            snap = fileformat.snapshot(prompt_cache, len(ref), tuple(self._extra_classes()))
         except fileformat.Unsupported as e:
             log.debug("ssd-cache: not stored: %s", e)
             self._count(skipped=1)
@@ -470,8 +546,10 @@ class DiskTier:
 
     def _job_touch(self, space, entry):
         try:
-            os.utime(space.path / entry.name, (entry.recency, entry.recency))
-        except OSError:
+            with safefs.open_space(self.root, space.fingerprint, space.namespace) as fd:
+                os.utime(entry.name, (entry.recency, entry.recency), dir_fd=fd,
+                         follow_symlinks=False)
+        except (OSError, NotImplementedError):
             pass
 
     def _job_write(self, space, entry):
@@ -499,9 +577,9 @@ class DiskTier:
         self._enforce_cap(keep=entry)
 
     def _write_tmp(self, space, entry, snap):
-        """Write the entry to a temp file: ``(tmp path, size)``, or None."""
+        """Write the entry to a temp file: ``(tmp name, size)``, or None."""
         self._make_room(snap.nbytes)
-        tmp = space.path / f".{entry.name}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        tmp = f".{entry.name}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         meta = {
             "tokens": fileformat.tokens_json(entry.tokens),
             "n_tokens": str(len(entry.tokens)),
@@ -512,9 +590,10 @@ class DiskTier:
             "model": str(space.info.get("model", "")),
         }
         try:
-            space.path.mkdir(parents=True, exist_ok=True)
+            safefs.make_space(self.root, space.fingerprint, space.namespace)
             self._write_info(space)
-            return tmp, fileformat.write(tmp, snap, meta, pace=self._pacer())
+            with safefs.open_space(self.root, space.fingerprint, space.namespace) as fd:
+                return tmp, fileformat.write(tmp, snap, meta, pace=self._pacer(), dir_fd=fd)
         except Exception as e:  # OSError, or a bug: the entry is just not stored
             self._write_failed(space, tmp, e)
             return None
@@ -537,11 +616,12 @@ class DiskTier:
     def _rename(self, space, entry, done):
         tmp, size = done
         try:
-            os.replace(tmp, space.path / entry.name)
+            with safefs.open_space(self.root, space.fingerprint, space.namespace) as fd:
+                safefs.rename(fd, tmp, entry.name)
+                _fsync_fd(fd)
         except OSError as e:
             self._write_failed(space, tmp, e)
             return None
-        _fsync_dir(space.path)
         return size
 
     def _write_failed(self, space, tmp, e):
@@ -549,24 +629,25 @@ class DiskTier:
         self._warn("write: " + kind, f"prompt cache not stored in {space.path}: {kind}: {e}")
         self._count(failures=1)
         try:
-            os.unlink(tmp)
+            with safefs.open_space(self.root, space.fingerprint, space.namespace) as fd:
+                safefs.unlink(fd, tmp)
         except OSError:
             pass
 
     def _write_info(self, space):
         """A readable note of what a fingerprint stands for (for ``ssd-cache stats``)."""
-        path = space.path.parent / INFO
-        if path.exists():
-            return
-        tmp = path.with_name(f".{INFO}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+        tmp = f".{INFO}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
-            tmp.write_text(json.dumps(space.info, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            with safefs.open_dir(self.root) as rfd, safefs.open_dir(space.fingerprint, rfd) as fd:
+                if INFO in os.listdir(fd):
+                    return
+                out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                              0o644, dir_fd=fd)
+                with os.fdopen(out, "w") as f:
+                    f.write(json.dumps(space.info, indent=1, sort_keys=True))
+                os.replace(tmp, INFO, src_dir_fd=fd, dst_dir_fd=fd)
         except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            pass
 
     def _supersede(self, space, entry):
         """A trimmable entry makes its stored prefixes redundant: remove them."""
@@ -588,9 +669,8 @@ class DiskTier:
                     return False
                 space.index.remove(entry.name)
             try:
-                os.unlink(space.path / entry.name)
-            except FileNotFoundError:
-                pass
+                with safefs.open_space(self.root, space.fingerprint, space.namespace) as fd:
+                    self._unlink(space, fd, entry.name)
             except OSError as e:
                 self._warn("remove: " + _kind(e), f"cannot remove {space.path / entry.name}: {e}")
         return True
@@ -679,17 +759,11 @@ def _lower_priority():
         pass
 
 
-def _fsync_dir(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
+def _fsync_fd(fd):
     try:
         os.fsync(fd)
     except OSError:
         pass
-    finally:
-        os.close(fd)
 
 
 def _pid_alive(pid):

@@ -23,6 +23,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as cache_module
 
+from . import safefs
+
 FORMAT = "mlx-lm-ssd-cache/1"
 SUFFIX = ".safetensors"
 MAX_HEADER = 64 << 20
@@ -63,6 +65,7 @@ class Snapshot:
     trimmable: bool
     n_tokens: int  # tokens the KV layers hold (None: no KV layer)
     nbytes: int
+    extras: list = None  # plugin caches after the model's: {"class", "state", "meta_state"}
 
 
 @dataclass
@@ -74,6 +77,8 @@ class Header:
     size: int
     mtime: float
     ino: int
+    spec: list = None  # per model cache: {"class", "state"}, checked
+    extras: list = None  # plugin caches stored after the model's
 
     @property
     def trimmable(self):
@@ -158,16 +163,31 @@ def _kv_length(caches):
     return min(lengths) if lengths else None
 
 
-def snapshot(prompt_cache):
+def snapshot(prompt_cache, n_model=None, extra_classes=()):
     """Slice, evaluate and view ``prompt_cache`` as numpy (generation thread).
 
-    Raises ``Unsupported`` for caches this format cannot store.
+    The first ``n_model`` caches are the model's (all of them by default);
+    the caches after them were added by plugins (a drafter's state) and are
+    stored as extras when every one is of a class in ``extra_classes``,
+    else left out. Raises ``Unsupported`` for caches this format cannot store.
     """
+    n_model = len(prompt_cache) if n_model is None else n_model
+    model, rest = list(prompt_cache[:n_model]), list(prompt_cache[n_model:])
+    n_tokens = _kv_length(model)
+    # Plugin caches are kept only when their class is known and they hold
+    # exactly the model's tokens (so that one trim keeps them all in step).
+    if rest and not all(
+        type(c) in tuple(extra_classes) and getattr(c, "offset", n_tokens) == n_tokens
+        for c in rest
+    ):
+        rest = []
     arrays = []
-    spec = []
-    for c in prompt_cache:
-        name = _cache_class(c)
-        spec.append({"class": name, "state": _encode(_sliced_state(c), arrays)})
+    spec = [{"class": _cache_class(c), "state": _encode(_sliced_state(c), arrays)} for c in model]
+    extras = [
+        {"class": type(c).__name__, "state": _encode(c.state, arrays),
+         "meta_state": [str(x) for x in c.meta_state]}
+        for c in rest
+    ]
     views, dtypes = [], []
     for a in arrays:
         kind = str(a.dtype).rsplit(".", 1)[-1]
@@ -181,13 +201,15 @@ def snapshot(prompt_cache):
     for v, st in zip(views, dtypes):
         if v.dtype != np.dtype(DTYPES[_mx_name(st)][1]):
             raise Unsupported(f"unexpected numpy dtype {v.dtype}")
+    kept = model + rest
     return Snapshot(
         spec=spec,
         arrays=views,
         dtypes=dtypes,
-        trimmable=bool(prompt_cache) and cache_module.can_trim_prompt_cache(prompt_cache),
-        n_tokens=_kv_length(prompt_cache),
+        trimmable=bool(kept) and cache_module.can_trim_prompt_cache(kept),
+        n_tokens=n_tokens,
         nbytes=sum(v.nbytes for v in views),
+        extras=extras,
     )
 
 
@@ -224,8 +246,9 @@ def _header_bytes(meta, tensors):
     return raw + b" " * (-len(raw) % 8)  # 8-byte aligned data, as safetensors does
 
 
-def write(tmp_path, snap, meta, pace=None):
-    """Write ``snap`` to ``tmp_path`` (created exclusively) and fsync it.
+def write(tmp_path, snap, meta, pace=None, dir_fd=None):
+    """Write ``snap`` to ``tmp_path`` (created exclusively, relative to
+    ``dir_fd``, never through a link) and fsync it.
 
     ``meta`` are the entry's string fields; the per-tensor CRCs and the header
     hash are added here. The header has a fixed size, so it is written after
@@ -245,10 +268,13 @@ def write(tmp_path, snap, meta, pace=None):
     meta["format"] = FORMAT
     meta["spec"] = json.dumps(snap.spec, separators=(",", ":"))
     meta["trimmable"] = "1" if snap.trimmable else "0"
+    if snap.extras:
+        meta["extras"] = json.dumps(snap.extras, separators=(",", ":"))
     meta["tensor_crc32"] = json.dumps(["00000000"] * len(snap.arrays))
     meta["header_sha256"] = "0" * 64
     head_len = len(_header_bytes(meta, tensors))
-    with open(tmp_path, "xb") as f:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    with os.fdopen(os.open(tmp_path, flags, 0o644, dir_fd=dir_fd), "wb") as f:
         f.seek(8 + head_len)
         crcs = []
         for a in snap.arrays:
@@ -273,93 +299,200 @@ def write(tmp_path, snap, meta, pace=None):
 
 # ---------------------------------------------------------------------- read
 
+MAX_TOKEN = 1 << 31  # token ids are uint32 in mlx-lm; anything past int32 is a lie
+MAX_INT = 1 << 53  # integers in a state tree (offsets, window sizes)
 
-def read_header(path):
-    """Read and check one file's header only. Raises ``Corrupt`` or ``OSError``."""
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        raw = f.read(8)
+
+def read_header(path, dir_fd=None):
+    """Read and check one file's header only. Raises ``Corrupt`` or ``OSError``.
+
+    ``path`` is opened relative to ``dir_fd`` (an open namespace) without
+    following a link, and must be a regular file. Every field is parsed and
+    type-checked here, so that anything a file holds is either a ``Header``
+    or ``Corrupt``; reads are bounded by the file's real size.
+    """
+    fd = safefs.open_file(dir_fd, path)
+    try:
+        st = os.fstat(fd)
+        raw = os.pread(fd, 8, 0)
         if len(raw) < 8:
             raise Corrupt("shorter than a header")
         n = int.from_bytes(raw, "little")
         if n > MAX_HEADER or 8 + n > st.st_size:
             raise Corrupt("header length out of range")
-        blob = f.read(n)
+        blob = _pread_all(fd, n, 8)
+    finally:
+        os.close(fd)
+    # Our writer writes every byte; a file with holes claims data it lacks.
+    if st.st_blocks and st.st_blocks * 512 < (st.st_size - 8 - n) // 2:
+        raise Corrupt("sparse file: fewer bytes on disk than its tensors claim")
     try:
-        header = json.loads(blob.decode("utf-8"))
-        meta = header.pop("__metadata__")
-        if meta.get("format") != FORMAT:
-            raise Corrupt(f"format {meta.get('format')!r}, expected {FORMAT}")
-        if _header_hash(meta, header) != meta.get("header_sha256"):
-            raise Corrupt("header hash mismatch")
-        tokens = np.array(json.loads(meta["tokens"]), dtype=np.int64).reshape(-1)
-        end = 0
-        for i in range(len(header)):
-            info = header[str(i)]
-            b, e = info["data_offsets"]
-            nbytes = int(np.prod(info["shape"], dtype=np.int64)) * _itemsize(info["dtype"])
-            if b != end or e - b != nbytes:
-                raise Corrupt("tensor table out of order")
-            end = e
+        header, meta, tokens, spec, extras, end = _parse(blob)
     except Corrupt:
         raise
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise Corrupt(f"unreadable header: {e}") from e
+    except Exception as e:  # whatever a crafted header holds, it is only corrupt
+        raise Corrupt(f"unreadable header: {type(e).__name__}: {e}") from e
     if st.st_size != 8 + n + end:
         raise Corrupt(f"size {st.st_size} != {8 + n + end} (truncated or padded)")
-    return Header(str(path), meta, header, tokens, st.st_size, st.st_mtime, st.st_ino)
+    return Header(str(path), meta, header, tokens, st.st_size, st.st_mtime, st.st_ino,
+                  spec, extras)
+
+
+def _pread_all(fd, n, offset):
+    parts, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            raise Corrupt("file shrank while reading its header")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _parse(blob):
+    header = json.loads(blob.decode("utf-8"))
+    _expect(isinstance(header, dict), "header is not an object")
+    meta = header.pop("__metadata__", None)
+    _expect(isinstance(meta, dict), "no metadata")
+    _expect(all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()),
+            "metadata values must be strings")
+    _expect(meta.get("format") == FORMAT, f"format {meta.get('format')!r}, expected {FORMAT}")
+    _expect(_header_hash(meta, header) == meta.get("header_sha256"), "header hash mismatch")
+    _expect(meta.get("trimmable") in ("0", "1"), "bad trimmable flag")
+    tokens = json.loads(meta["tokens"])
+    _expect(isinstance(tokens, list) and all(
+        type(t) is int and 0 <= t < MAX_TOKEN for t in tokens), "tokens are not token ids")
+    tokens = np.array(tokens, dtype=np.int64).reshape(-1)
+    if "n_tokens" in meta:
+        _expect(meta["n_tokens"] == str(len(tokens)), "n_tokens differs from the tokens")
+    _expect(set(header) == {str(i) for i in range(len(header))}, "tensor names are not 0..n-1")
+    end = 0
+    for i in range(len(header)):
+        info = header[str(i)]
+        _expect(isinstance(info, dict), "tensor entry is not an object")
+        shape, (b, e) = info["shape"], info["data_offsets"]
+        _expect(isinstance(shape, list) and all(type(d) is int and 0 <= d < MAX_INT for d in shape),
+                "bad tensor shape")
+        _expect(type(b) is int and type(e) is int, "bad data offsets")
+        nbytes = int(np.prod(shape, dtype=object) or 0) * _itemsize(info["dtype"])
+        _expect(b == end and e - b == nbytes, "tensor table out of order")
+        end = e
+    crcs = json.loads(meta["tensor_crc32"])
+    _expect(isinstance(crcs, list) and len(crcs) == len(header)
+            and all(isinstance(c, str) and len(c) == 8 for c in crcs), "bad tensor CRCs")
+    used = []
+    spec = _layers(json.loads(meta["spec"]), len(header), used)
+    extras = _layers(json.loads(meta.get("extras", "[]")), len(header), used, meta_state=True)
+    _expect(sorted(used) == list(range(len(header))), "tensors not used exactly once")
+    return header, meta, tokens, spec, extras, end
+
+
+def _layers(layers, n_tensors, used, meta_state=False):
+    """Check a cache spec: a list of ``{"class": str, "state": tree}``."""
+    _expect(isinstance(layers, list), "cache spec is not a list")
+    for layer in layers:
+        _expect(isinstance(layer, dict) and isinstance(layer.get("class"), str)
+                and "state" in layer, "bad cache spec layer")
+        _check_tree(layer["state"], n_tensors, used, depth=0)
+        if meta_state:
+            m = layer.get("meta_state", [])
+            _expect(isinstance(m, list) and all(isinstance(x, str) for x in m), "bad meta state")
+    return layers
+
+
+def _check_tree(x, n_tensors, used, depth):
+    _expect(depth < 8, "state tree too deep")
+    if isinstance(x, dict):
+        _expect(len(x) == 1, "bad state tree node")
+        (kind, value), = x.items()
+        if kind == "t":
+            _expect(type(value) is int and 0 <= value < n_tensors, "bad tensor reference")
+            used.append(value)
+        elif kind in ("tuple", "list"):
+            _expect(isinstance(value, list), "bad state tree node")
+            for y in value:
+                _check_tree(y, n_tensors, used, depth + 1)
+        else:
+            raise Corrupt("bad state tree node")
+    elif type(x) is int:
+        _expect(-MAX_INT < x < MAX_INT, "integer out of range in the cache state")
+    else:
+        _expect(x is None or isinstance(x, (bool, float, str)), "bad state tree leaf")
+
+
+def _expect(ok, why):
+    if not ok:
+        raise Corrupt(why)
 
 
 def _itemsize(st):
     return np.dtype(DTYPES[_mx_name(st)][1]).itemsize
 
 
-def load(header, verify=False):
+def load(header, verify=False, dir_fd=None):
     """The prompt cache of a checked ``header``: evaluated, owning its memory.
 
-    With ``verify`` every tensor's CRC32 is checked. Raises ``Corrupt`` or
-    ``OSError`` (file gone or replaced since the header was read).
+    Returns ``(model caches, extras)`` where extras are the ``(class name,
+    state, meta_state)`` of plugin caches stored after the model's. The file
+    is opened again relative to ``dir_fd`` without links and must be the very
+    file whose header was read. With ``verify`` every tensor's CRC32 is
+    checked. Raises ``Corrupt`` or ``OSError``.
     """
-    _read_ahead(header.path)
+    fd = safefs.open_file(dir_fd, header.path if dir_fd is None else os.path.basename(header.path))
     try:
-        arrays = mx.load(header.path)
-    except (RuntimeError, ValueError) as e:
-        raise Corrupt(f"mx.load failed: {e}") from e
-    if len(arrays) != len(header.tensors):
-        raise Corrupt("tensor count differs from the header")
-    try:
-        ordered = [arrays[str(i)] for i in range(len(arrays))]
-        mx.eval(ordered)
-    except (KeyError, RuntimeError) as e:
-        raise Corrupt(f"tensor data unreadable: {e}") from e
-    st = os.stat(header.path)
-    if (st.st_ino, st.st_size) != (header.ino, header.size):
-        raise FileNotFoundError("entry replaced while loading")
+        st = os.fstat(fd)
+        if (st.st_ino, st.st_size) != (header.ino, header.size):
+            raise FileNotFoundError("entry replaced since its header was read")
+        _read_ahead(fd)
+        ordered = _load_tensors(fd, header)
+    finally:
+        os.close(fd)
     if verify:
         _verify(header, ordered)
     try:
-        spec = json.loads(header.meta["spec"])
-        return [
-            getattr(cache_module, layer["class"]).from_state(
-                _decode(layer["state"], ordered)
-            )
-            for layer in spec
+        caches = [
+            getattr(cache_module, layer["class"]).from_state(_decode(layer["state"], ordered))
+            for layer in header.spec
         ]
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-        raise Corrupt(f"bad cache spec: {e}") from e
+    except Exception as e:
+        raise Corrupt(f"bad cache spec: {type(e).__name__}: {e}") from e
+    extras = [(x["class"], _decode(x["state"], ordered), tuple(x.get("meta_state", ())))
+              for x in header.extras]
+    return caches, extras
 
 
-def _read_ahead(path):
+def _load_tensors(fd, header):
+    # /proc/self/fd reopens the same inode whatever happens to the name
+    # since; elsewhere MLX reads through a file object of the same fd.
+    path = safefs.fd_path(fd)
+    try:
+        if path is not None:
+            arrays = mx.load(path, format="safetensors")
+        else:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                arrays = mx.load(f, format="safetensors")
+        if len(arrays) != len(header.tensors):
+            raise Corrupt("tensor count differs from the header")
+        ordered = [arrays[str(i)] for i in range(len(arrays))]
+        for a, i in zip(ordered, range(len(ordered))):
+            info = header.tensors[str(i)]
+            if list(a.shape) != info["shape"] or DTYPES[str(a.dtype).rsplit(".", 1)[-1]][0] != info["dtype"]:
+                raise Corrupt(f"tensor {i} differs from the header")
+        mx.eval(ordered)
+    except Corrupt:
+        raise
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise Corrupt(f"tensor data unreadable: {e}") from e
+    return ordered
+
+
+def _read_ahead(fd):
     """Ask the kernel to start reading the whole file now (Linux, macOS: no-op)."""
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
+        advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     except OSError:
         pass
 
@@ -371,10 +504,13 @@ def from_snapshot(snap):
         a = mx.array(np.ascontiguousarray(v))
         arrays.append(a.view(mx.bfloat16) if st == "BF16" else a)
     mx.eval(arrays)
-    return [
+    caches = [
         getattr(cache_module, layer["class"]).from_state(_decode(layer["state"], arrays))
         for layer in snap.spec
     ]
+    extras = [(x["class"], _decode(x["state"], arrays), tuple(x["meta_state"]))
+              for x in snap.extras or ()]
+    return caches, extras
 
 
 def _verify(header, arrays):

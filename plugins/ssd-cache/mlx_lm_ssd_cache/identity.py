@@ -112,23 +112,46 @@ def describe_layout(caches):
     return ",".join(n if k == 1 else f"{n}*{k}" for n, k in parts)
 
 
-def layout(path):
-    """``(text, n)``: the cache layout of the architecture in ``path`` and its
-    number of caches (None when unknown), without loading the weights.
-
-    The model is built from its config with lazy random parameters that are
-    never evaluated, so this costs no memory, then asked for its cache.
-    """
-    from mlx_lm.models.cache import make_prompt_cache
+def lazy_model(path):
+    """The architecture in ``path`` built from its config with lazy random
+    parameters that are never evaluated: it costs no memory. None for a model
+    with its own code file."""
     from mlx_lm.utils import _get_classes, load_config
 
     config = load_config(Path(path))
     if config.get("model_file"):
-        code = (Path(path) / config["model_file"]).read_bytes()
-        return "custom:" + hashlib.sha256(code).hexdigest()[:16], None
+        return None
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
+def lazy_models(model_key):
+    """Lazy copies of the key's target (and mlx-lm draft) model, for their cache layout."""
+    model, _, draft = split_key(model_key)
+    out = []
+    for p in (model, draft):
+        if p is not None:
+            m = lazy_model(resolve(p))
+            if m is None:
+                raise Unidentifiable(f"{p}: custom model code; its cache layout is known "
+                                     "once the server has loaded it")
+            out.append(m)
+    return out
+
+
+def layout(path):
+    """``(text, n)``: the cache layout of the architecture in ``path`` and its
+    number of caches (None when unknown), without loading the weights."""
+    from mlx_lm.models.cache import make_prompt_cache
+
     try:
-        model_class, args_class = _get_classes(config)
-        caches = make_prompt_cache(model_class(args_class.from_dict(config)))
+        model = lazy_model(path)
+        if model is None:
+            from mlx_lm.utils import load_config
+
+            code = (Path(path) / load_config(Path(path))["model_file"]).read_bytes()
+            return "custom:" + hashlib.sha256(code).hexdigest()[:16], None
+        caches = make_prompt_cache(model)
         return describe_layout(caches), len(caches)
     except Exception as e:  # an architecture that needs more than its config
         return f"unknown:{type(e).__name__}", None

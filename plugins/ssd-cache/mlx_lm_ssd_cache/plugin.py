@@ -4,6 +4,7 @@ import functools
 import logging
 import re
 import sys
+import weakref
 from pathlib import Path
 
 from mlx_lm_ext import PluginError, hookimpl
@@ -13,6 +14,9 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 _config = {}  # validated options of the active command
 _undo = []
+# The server's model key -> weak references to the loaded model and mlx-lm
+# draft model: restores are checked against the caches these make.
+_live = {}
 
 
 def default_dir():
@@ -50,7 +54,9 @@ def check_dir(text):
 
 def options(args):
     """Validated ``(directory, byte cap, verify)`` from parsed arguments."""
-    directory = getattr(args, "ssd_cache_dir", None) or default_dir()
+    directory = getattr(args, "ssd_cache_dir", None)
+    if directory is None:
+        directory = default_dir()
     return (
         check_dir(directory),
         parse_bytes(getattr(args, "ssd_cache_bytes", None) or DEFAULT_BYTES),
@@ -106,9 +112,23 @@ def activate(command, args):
             f"ssd-cache does not support distributed serving (world size {size}): "
             "every rank would have to make the same restore decisions"
         )
+    _claim(directory)
     _config.update(directory=directory, max_bytes=cap, verify=verify)
     if command == "server":
         _patch_log_line()
+
+
+def _claim(directory):
+    """Create and tag the cache directory; refuse one that holds other files."""
+    from . import safefs
+
+    try:
+        safefs.make_root(directory)
+    except safefs.NotACache as e:
+        raise PluginError(f"--ssd-cache-dir: {e}") from None
+    except OSError as e:  # read-only or full: the tier degrades to misses and skips
+        logging.getLogger("mlx_lm_ssd_cache").warning(
+            "ssd-cache: cannot prepare %s: %s", directory, e)
 
 
 @hookimpl
@@ -119,10 +139,36 @@ def deactivate():
     while _undo:
         _undo.pop()()
     _config.clear()
+    _live.clear()
 
 
 @hookimpl
-def make_prompt_cache(args, max_size):
+def model_loaded(model_key, model, draft_model):
+    models = [m for m in (model, draft_model) if m is not None]
+    try:
+        _live[model_key] = [weakref.ref(m) for m in models]
+    except TypeError:  # an unhashable key is not the server's
+        pass
+
+
+def live_models(model_key):
+    """The loaded models of ``model_key``, or None when not (or no longer) loaded."""
+    try:
+        refs = _live.get(model_key)
+    except TypeError:
+        return None
+    models = [r() for r in refs or ()]
+    return models if models and all(m is not None for m in models) else None
+
+
+def _extra_classes():
+    from mlx_lm_ext import integration
+
+    return integration.prompt_cache_classes()
+
+
+@hookimpl
+def make_prompt_cache(args, max_size, max_bytes):
     from .cache import SSDPromptCache
 
     directory, cap, verify = (
@@ -135,7 +181,8 @@ def make_prompt_cache(args, max_size):
         for k in ("kv_bits", "kv_group_size", "quantized_kv_start")
     }
     cache = SSDPromptCache(
-        max_size, directory=directory, disk_bytes=cap, verify=verify, settings=settings
+        max_size, max_bytes, directory=directory, disk_bytes=cap, verify=verify,
+        settings=settings, live_models=live_models, extra_classes=_extra_classes,
     )
     model = getattr(args, "model", None)
     if model:

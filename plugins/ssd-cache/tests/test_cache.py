@@ -241,9 +241,9 @@ def test_scan_removes_corrupt_reaps_dead_tmp_and_leaves_others(tiny, tmp_path, c
     bad_file = [p for p in files if fileformat.read_header(p).tokens[0] == 100][0]
     raw = bad_file.read_bytes()
     bad_file.write_bytes(raw[: len(raw) // 2])  # truncated
-    dead = space / f".x.safetensors.{disk.HOST}.999999999.abcd.tmp"
+    dead = space / f".{'a' * 32}.safetensors.{disk.HOST}.999999999.abcd.tmp"
     dead.write_bytes(b"partial")
-    foreign = space / f".y.safetensors.otherhost.12.abcd.tmp"  # fresh, other host
+    foreign = space / f".{'b' * 32}.safetensors.otherhost.12.abcd.tmp"  # fresh, other host
     foreign.write_bytes(b"partial")
     other_fp = tmp_path / "cache" / "0123456789abcdef" / "base"
     other_fp.mkdir(parents=True)
@@ -254,6 +254,7 @@ def test_scan_removes_corrupt_reaps_dead_tmp_and_leaves_others(tiny, tmp_path, c
         cache, rest = fresh.fetch_nearest_cache(key, good + [1])
     assert rest == [1]
     assert not bad_file.exists() and not dead.exists() and foreign.exists()
+    assert bad_file.with_name(bad_file.name + ".rejected").exists()  # set aside, not lost
     assert (other_fp / "junk.safetensors").exists()
     assert fresh.disk_stats()["entries"] == 1
     assert fresh.fetch_nearest_cache(key, bad + [1])[0] is None
@@ -300,16 +301,53 @@ def test_io_failures_never_raise(tiny, tmp_path, caplog):
     c.close()
 
 
-def test_caches_that_differ_from_the_model_layout_are_not_stored(tiny, tmp_path):
+def test_caches_a_plugin_appends_are_left_out_unless_registered(tiny, tmp_path):
     model, _, path = tiny("llama")
     c = ssd(tmp_path)
     toks = list(range(40))
     cache = prefill(model, toks) + [kv(40)]  # e.g. a plugin drafter's cache appended
     c.insert_cache(str(path), toks, cache)
     c.flush(30)
-    s = c.disk_stats()
-    assert s["entries"] == 0 and s["skipped"] == 1
+    assert c.disk_stats()["entries"] == 1
     c.close()
+    fresh = ssd(tmp_path)
+    restored, rest = fresh.fetch_nearest_cache(str(path), toks + [7])
+    assert rest == [7] and len(restored) == len(cache) - 1  # the model's caches only
+    fresh.close()
+
+
+class History(KVCache):
+    """A plugin's cache riding after the model's: state plus meta state."""
+
+    @property
+    def meta_state(self):
+        return ("7",)
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        assert meta_state == ("7",)
+        obj = cls()
+        obj.keys, obj.values, obj.offset = state
+        return obj
+
+
+def test_registered_plugin_caches_are_stored_and_restored(tiny, tmp_path):
+    model, _, path = tiny("llama")
+    c = ssd(tmp_path, extra_classes=lambda: [History])
+    toks = list(range(40))
+    extra = History()
+    extra.update_and_fetch(mx.ones((1, 1, 40, 4)), mx.zeros((1, 1, 40, 4)))
+    c.insert_cache(str(path), toks, prefill(model, toks) + [extra])
+    c.close(30)
+    fresh = ssd(tmp_path, extra_classes=lambda: [History])
+    restored, rest = fresh.fetch_nearest_cache(str(path), toks + [7])
+    assert rest == [7] and isinstance(restored[-1], History)
+    assert restored[-1].offset == 40 and restored[-1].keys.sum().item() == 160
+    fresh.close()
+    plain = ssd(tmp_path)  # a server without that plugin gets the model's caches
+    restored, _ = plain.fetch_nearest_cache(str(path), toks + [7])
+    assert not any(isinstance(x, History) for x in restored)
+    plain.close()
 
 
 def test_a_failing_writer_releases_its_pending_entries(tiny, tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ def roundtrip(tmp_path, cache, tokens=(1, 2, 3), verify=True):
     assert size == path.stat().st_size
     header = fileformat.read_header(path)
     assert header.tokens.tolist() == list(tokens)
-    return fileformat.load(header, verify=verify), header, snap
+    return fileformat.load(header, verify=verify)[0], header, snap
 
 
 def next_logits(model, cache, tokens):

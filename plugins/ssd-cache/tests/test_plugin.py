@@ -91,7 +91,7 @@ def test_make_prompt_cache_uses_flags(tmp_path, tiny_model):
                   "--ssd-cache-bytes", "1G", "--ssd-cache-verify", "--kv-bits", "8")
     plugin.activate("server", args)
     try:
-        cache = plugin.make_prompt_cache(args, 7)
+        cache = plugin.make_prompt_cache(args, 7, 1 << 63)
     finally:
         plugin.deactivate()
     assert isinstance(cache, SSDPromptCache) and cache.max_size == 7
@@ -137,7 +137,8 @@ def test_operator_commands(tmp_path, tiny):
     c.close(30)
     other = d / "0000000000000000" / "base"
     other.mkdir(parents=True)
-    (other / "junk.safetensors").write_bytes(b"corrupt")
+    junk = other / ("0" * 32 + ".safetensors")  # an entry's name: clear only takes those
+    junk.write_bytes(b"corrupt")
 
     def run(*argv):
         r = subprocess.run([str(BIN / "mlx-lm-ext"), "ssd-cache", *argv, "--dir", str(d)],
@@ -149,8 +150,8 @@ def test_operator_commands(tmp_path, tiny):
     assert "3 entries" in out and str(path) in out
     out = run("ls")
     assert out.count(" ok") == 2 and "corrupt" in out and " 50 " in out and " 40 " in out
-    fp = next(p.name for p in d.iterdir() if p.name != "0000000000000000")
-    assert "removed 2 files" in run("clear", "--fingerprint", fp[:6])
-    assert (other / "junk.safetensors").exists() and not (d / fp).exists()
-    assert "removed 1 files" in run("clear")
+    fp = next(p.name for p in d.iterdir() if p.is_dir() and p.name != "0000000000000000")
+    assert "removed 2 files" in run("clear", "--fingerprint", fp[:6], "--yes")
+    assert junk.exists() and not (d / fp).exists()
+    assert "removed 1 files" in run("clear", "--yes")
     assert "0 entries" in run("stats")

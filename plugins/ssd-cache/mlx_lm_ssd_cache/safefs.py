@@ -1,0 +1,288 @@
+"""The tier's files on a disk it does not trust: marked roots, no symlinks, own names only.
+
+A cache directory may be shared with other users or written by an attacker,
+so every removal here holds to three rules:
+
+* only inside a root the tier created and marked with ``CACHEDIR.TAG`` (the
+  standard cache-directory tag, which backup tools also honour);
+* never through a symbolic link: each level is opened with ``O_NOFOLLOW`` and
+  every later lookup is relative to that open directory (``dir_fd``), so a
+  directory swapped for a link after it was checked is never entered;
+* only names the tier itself makes (``NAMES``), and only regular files.
+
+The layout is ``<root>/<fingerprint>/<namespace>/<entry>``.
+"""
+
+import contextlib
+import os
+import re
+import stat
+from typing import Iterator, List, Optional, Tuple
+
+TAG = "CACHEDIR.TAG"
+TAG_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by mlx-lm-ssd-cache.\n"
+    "# It marks the directory as the disk tier of mlx_lm.server's prompt cache:\n"
+    "# `mlx-lm-ext ssd-cache clear` only clears directories that carry it.\n"
+)
+SIGNATURE = TAG_TEXT.splitlines()[0]
+
+FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+NAMESPACE = re.compile(r"base|ns-[0-9a-f]{16}")
+ENTRY = re.compile(r"[0-9a-f]{32}\.safetensors")
+# What the writer makes: `.<entry>.<host>.<pid>.<hex>.tmp`, and the same for
+# the fingerprint note; `<entry>.rejected` is an entry set aside on restore.
+TEMP = re.compile(r"\.(?:[0-9a-f]{32}\.safetensors|fingerprint\.json)\.[^/]*\.tmp")
+REJECTED = re.compile(r"[0-9a-f]{32}\.safetensors\.rejected")
+INFO = "fingerprint.json"
+_NOTE_TEMP = re.compile(r"\.fingerprint\.json\.[^/]*\.tmp")
+
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+class NotACache(ValueError):
+    """A directory that is not (or not safely) a cache directory of the tier."""
+
+
+def is_own_file(name: str) -> bool:
+    """Whether ``name`` is one the tier makes inside a namespace directory."""
+    return bool(ENTRY.fullmatch(name) or TEMP.fullmatch(name) or REJECTED.fullmatch(name))
+
+
+# ------------------------------------------------------------------ roots
+
+
+def has_tag(root) -> bool:
+    """Whether ``root`` is a real directory (not a link) with the tier's tag."""
+    try:
+        with open_dir(root) as fd:
+            return _read_tag(fd)
+    except OSError:
+        return False
+
+
+def _read_tag(fd) -> bool:
+    try:
+        tfd = os.open(TAG, _FILE_FLAGS, dir_fd=fd)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(tfd).st_mode):
+            return False
+        return os.read(tfd, len(SIGNATURE)).decode("ascii", "replace") == SIGNATURE
+    finally:
+        os.close(tfd)
+
+
+def looks_like_cache(root) -> bool:
+    """Whether every name in ``root`` is one the tier would put there.
+
+    Used to adopt a directory written before the tag existed, and an empty
+    one: a folder of anything else (a home directory, a model folder) is not.
+    """
+    try:
+        with open_dir(root) as fd:
+            names = os.listdir(fd)
+    except OSError:
+        return False
+    return all(FINGERPRINT.fullmatch(n) or n == TAG or n.startswith(f".{TAG}.") for n in names)
+
+
+def make_root(root) -> None:
+    """Create ``root`` if needed and tag it; refuse a directory that is not ours.
+
+    Raises ``NotACache`` for a link, a non-directory, or a directory with
+    content the tier did not make. ``OSError`` for I/O trouble.
+    """
+    root = os.fspath(root)
+    os.makedirs(root, exist_ok=True)
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode):
+        # A link as the root itself is the user's own choice only if they gave
+        # the resolved path: refuse, so that nothing is ever entered through one.
+        raise NotACache(f"{root} is a symbolic link; give the directory it points to")
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotACache(f"{root} is not a directory")
+    with open_dir(root) as fd:
+        if _read_tag(fd):
+            return
+        if not looks_like_cache(root):
+            raise NotACache(
+                f"{root} holds files that are not ssd-cache entries and has no {TAG}; "
+                "use an empty or new directory"
+            )
+        tmp = f".{TAG}.{os.getpid()}.tmp"
+        tfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=fd)
+        try:
+            os.write(tfd, TAG_TEXT.encode())
+        finally:
+            os.close(tfd)
+        os.replace(tmp, TAG, src_dir_fd=fd, dst_dir_fd=fd)
+
+
+# -------------------------------------------------------------- directories
+
+
+@contextlib.contextmanager
+def open_dir(path, dir_fd: Optional[int] = None) -> Iterator[int]:
+    """An fd of directory ``path`` (relative to ``dir_fd``), never through a link."""
+    fd = os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def open_space(root, fingerprint: str, namespace: str) -> Iterator[int]:
+    """The fd of ``root/fingerprint/namespace``, each level opened without links."""
+    if not FINGERPRINT.fullmatch(fingerprint) or not NAMESPACE.fullmatch(namespace):
+        raise NotACache(f"{fingerprint}/{namespace} is not a namespace of the tier")
+    with open_dir(root) as rfd, open_dir(fingerprint, rfd) as ffd, open_dir(namespace, ffd) as nfd:
+        yield nfd
+
+
+def make_space(root, fingerprint: str, namespace: str) -> None:
+    """Create ``root/fingerprint/namespace`` below a tagged root, without links."""
+    make_root(root)
+    with open_dir(root) as rfd:
+        for name, parent in ((fingerprint, None), (namespace, fingerprint)):
+            if parent is None:
+                _mkdir_at(name, rfd)
+            else:
+                with open_dir(parent, rfd) as pfd:
+                    _mkdir_at(name, pfd)
+
+
+def _mkdir_at(name, fd):
+    try:
+        os.mkdir(name, 0o755, dir_fd=fd)
+    except FileExistsError:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotACache(f"{name} exists and is not a directory (a link?)") from None
+
+
+def spaces(root) -> List[Tuple[str, str]]:
+    """``(fingerprint, namespace)`` pairs under a root: real directories only."""
+    out = []
+    try:
+        with open_dir(root) as rfd:
+            for fp in sorted(os.listdir(rfd)):
+                if not FINGERPRINT.fullmatch(fp) or not _is_dir_at(fp, rfd):
+                    continue
+                try:
+                    with open_dir(fp, rfd) as ffd:
+                        out += [
+                            (fp, ns) for ns in sorted(os.listdir(ffd))
+                            if NAMESPACE.fullmatch(ns) and _is_dir_at(ns, ffd)
+                        ]
+                except OSError:
+                    continue
+    except OSError:
+        return []
+    return out
+
+
+def _is_dir_at(name, fd) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def files(space_fd: int) -> List[Tuple[str, os.stat_result]]:
+    """The tier's own regular files in an open namespace: ``(name, lstat)``."""
+    out = []
+    for name in sorted(os.listdir(space_fd)):
+        if not is_own_file(name):
+            continue
+        try:
+            st = os.stat(name, dir_fd=space_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append((name, st))
+    return out
+
+
+# ------------------------------------------------------------------ removal
+
+
+def unlink(space_fd: int, name: str) -> bool:
+    """Remove one of the tier's own regular files from an open namespace.
+
+    A link or anything that is not a regular file of a tier name is left
+    alone (False). ``unlink`` itself never follows a link, so a file swapped
+    for one between the check and the removal only loses the link.
+    """
+    if not is_own_file(name):
+        return False
+    try:
+        st = os.stat(name, dir_fd=space_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    os.unlink(name, dir_fd=space_fd)
+    return True
+
+
+def rename(space_fd: int, src: str, dst: str) -> None:
+    """Rename within one open namespace (no path is resolved again)."""
+    os.replace(src, dst, src_dir_fd=space_fd, dst_dir_fd=space_fd)
+
+
+def remove_space_if_empty(root, fingerprint: str, namespace: str) -> None:
+    """rmdir an emptied namespace, then its fingerprint if only its note is left.
+
+    The note and a leftover temp file of it (a writer killed between write
+    and rename) go with the fingerprint; anything else keeps it.
+    """
+    if not FINGERPRINT.fullmatch(fingerprint) or not NAMESPACE.fullmatch(namespace):
+        return
+    try:
+        with open_dir(root) as rfd, open_dir(fingerprint, rfd) as ffd:
+            with contextlib.suppress(OSError):
+                os.rmdir(namespace, dir_fd=ffd)
+            rest = os.listdir(ffd)
+            if not all(n == INFO or _NOTE_TEMP.fullmatch(n) for n in rest):
+                return
+            for name in rest:
+                st = os.stat(name, dir_fd=ffd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    return
+            for name in rest:
+                os.unlink(name, dir_fd=ffd)
+            os.rmdir(fingerprint, dir_fd=rfd)
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------ reading
+
+
+def open_file(space_fd: int, name: str) -> int:
+    """An fd of a regular file in an open namespace: no link, no FIFO or device.
+
+    ``O_NONBLOCK`` keeps a FIFO planted under an entry's name from blocking
+    the open; it is refused right after by the ``S_ISREG`` check.
+    """
+    fd = os.open(name, _FILE_FLAGS, dir_fd=space_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{name} is not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def fd_path(fd: int) -> Optional[str]:
+    """A path that reopens exactly the file behind ``fd`` (Linux), else None."""
+    path = f"/proc/self/fd/{fd}"
+    return path if os.path.exists(path) else None
