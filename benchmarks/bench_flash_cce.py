@@ -19,6 +19,13 @@ Sections (pick with flags; default: --heads):
               loss + hidden-state gradient (frozen head) at (N, V, H) =
               (8192, 151936, 2048), (8192, 262144, 2560), (8192, 151936,
               4096), bf16 dense and 4-bit heads, plus the fused forward alone.
+--auto-table  (GPU or CPU) ONE table per run: each path of the loss head
+              (stock, pure-MLX in big blocks with the lean / float32 step,
+              cuda-gemm, fused cuda) and what ``backend="auto"`` picks at
+              each budget (its trial time too), bf16 and 4-bit heads,
+              ratios against stock measured in the same run.
+--step        (with --step-model random-llama-1b on a GPU: a ~1B llama with
+              random bf16 weights, V=151936, batch 4 x 2048)
 --filters     gradient error and time of the approximate options
               (filter_eps, block_skip_eps) on hidden states of real text
               from SmolLM2-135M (float32, dense tied head).
@@ -37,6 +44,7 @@ which N and H it ran.
 import argparse
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -284,6 +292,128 @@ def run_gpu_table(a, rows):
             mx.clear_cache()
 
 
+# ------------------------------------------------------------ auto table
+
+# (label, backend, tokens x vocab blocks, limit MiB, elementwise)
+AUTO_PATHS = [
+    ("mlx 8192x16384 +1024", "mlx", (8192, 16384), 1024, "mlx"),
+    ("mlx f32-step 8192x16384 +1024", "mlx", (8192, 16384), 1024, "mlx-f32"),
+    ("mlx 8192x8192 +512", "mlx", (8192, 8192), 512, "mlx"),
+    ("mlx 4096x8192 +256", "mlx", (4096, 8192), 256, "mlx"),
+    ("mlx 2048x8192 +128", "mlx", (2048, 8192), 128, "mlx"),
+    ("mlx 4096x16384 +128", "mlx", (4096, 16384), 128, "mlx"),
+    ("cuda-gemm 8192x16384 +1024", "cuda-gemm", (8192, 16384), 1024, None),
+    ("cuda-gemm 2048x8192 +128", "cuda-gemm", (2048, 8192), 128, None),
+    ("cuda fused", "cuda", None, 0, None),
+]
+
+
+def run_auto_table(a, rows):
+    from mlx_lm_flash_cce import autotune, backends, linear_cross_entropy
+
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes] if a.shapes else GPU_SHAPES[:2]
+    frozen = {"weight": False}
+    dtype = getattr(mx, a.dtype)
+    here = backends.available()
+    print(f"\nauto table: loss + hidden-state gradient, frozen head, {a.dtype}, min of {a.repeats} after "
+          f"{a.warmup} warm-up; MiB = peak above the inputs; x = against stock in this run")
+    print(f"{'N':>5} {'V':>7} {'H':>5} {'head':>5} {'path':>30} | {'ms':>7} {'x stock':>7} | {'MiB':>7} "
+          f"{'stock/this':>10} | loss")
+    for kind in a.kinds:
+        quantized = kind == "q4"
+        for n, v, h in shapes:
+            hidden, head, targets = head_case(n, v, h, dtype, quantized)
+
+            def stock(x):
+                logits = head(x) if quantized else x @ head.T
+                return nn.losses.cross_entropy(logits, targets).astype(mx.float32).mean()
+
+            def path(backend, blocks, ew):
+                kw = {"token_chunk": blocks[0], "vocab_chunk": blocks[1]} if blocks else {}
+                return lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend=backend, train=frozen,
+                                                      elementwise=ew, **kw)
+
+            methods = [("stock", stock, 0)]
+            for label, backend, blocks, limit, ew in AUTO_PATHS:
+                if backend in here and (a.auto_paths is None or label in a.auto_paths):
+                    methods.append((label, path(backend, blocks, ew), limit))
+            base = None
+
+            def row(label, t, m, value, extra=None):
+                r = {"N": n, "V": v, "H": h, "head": kind, "method": label, "seconds": t, "peak": m, "loss": value}
+                r.update(extra or {})
+                rows.append(r)
+                ratio = f"{t / base[0]:7.2f}" if base else f"{'-':>7}"
+                mem = f"{base[1] / max(m, 1):10.1f}" if base else f"{'-':>10}"
+                print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {label:>30} | {t * 1e3:7.1f} {ratio} | {m / 2**20:7.0f} "
+                      f"{mem} | {value:.5f}", flush=True)
+
+            for label, fn, limit in methods:
+                old = mx.set_memory_limit(mx.get_active_memory() + limit * 2**20) if limit else None
+                try:
+                    t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
+                except Exception as e:  # noqa: BLE001 (a path that fails here is one failed row)
+                    print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {label:>30} | failed: {str(e)[:200]}", flush=True)
+                    rows.append({"N": n, "V": v, "H": h, "head": kind, "method": label, "error": str(e)})
+                    continue
+                finally:
+                    if old is not None:
+                        mx.set_memory_limit(old)
+                if label == "stock":
+                    base = (t, m)
+                row(label, t, m, value)
+            for budget in a.auto_budgets:
+                nbytes = None if budget == "default" else budget
+                autotune._MEMORY.clear()
+                os.environ[autotune.CACHE_ENV] = a.auto_cache  # a fresh trial: nothing cached
+                path_ = autotune.cache_path()
+                if path_.exists():
+                    path_.unlink()
+                lines = []
+                handler = _Collect(lines)
+                logging.getLogger("mlx_lm_flash_cce").addHandler(handler)
+                logging.getLogger("mlx_lm_flash_cce").setLevel(logging.INFO)
+                fn = lambda x: linear_cross_entropy(x, head, targets, train=frozen, memory_budget=nbytes)
+                tic = time.perf_counter()
+                try:
+                    mx.eval(fn(hidden))  # the first call runs the trial
+                    _sync()
+                    first = time.perf_counter() - tic
+                    from mlx_lm_flash_cce import budget as _b
+
+                    _b.LIMIT.release()  # measure the chosen path under its own limit, as training holds it
+                    key = next(iter(autotune._MEMORY))
+                    cand = autotune._MEMORY[key].candidate
+                    limit = cand.limit_mib
+                    old = mx.set_memory_limit(mx.get_active_memory() + limit * 2**20) if limit else None
+                    try:
+                        t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
+                    finally:
+                        if old is not None:
+                            mx.set_memory_limit(old)
+                except Exception as e:  # noqa: BLE001 (e.g. a budget no path fits)
+                    print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {'auto @' + str(budget):>30} | {str(e)[:300]}",
+                          flush=True)
+                    rows.append({"N": n, "V": v, "H": h, "head": kind, "method": f"auto @{budget}", "error": str(e)})
+                    continue
+                finally:
+                    logging.getLogger("mlx_lm_flash_cce").removeHandler(handler)
+                row(f"auto @{budget}: {cand.label}", t, m, value, {"trial_s": first, "log": lines})
+                print(f"{'':>26} trial (first call) {first:.2f} s; {lines[-1] if lines else ''}", flush=True)
+            del hidden, head, targets
+            gc.collect()
+            mx.clear_cache()
+
+
+class _Collect(logging.Handler):
+    def __init__(self, lines):
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 # ------------------------------------------------------------- crossover
 
 
@@ -361,18 +491,28 @@ def one_step(loss_name, model_name, batch, seq, layers, steps):
 
     from mlx_lm_flash_cce import make_loss
 
-    model, tok = load(str(models.build(model_name, progress=False)))
+    if model_name == "random-llama-1b":
+        model = random_llama()
+        data = mx.random.randint(0, model.args.vocab_size, (batch, seq + 1), key=mx.random.key(0))
+    else:
+        model, tok = load(str(models.build(model_name, progress=False)))
+        import sysconfig
+        from pathlib import Path
+
+        text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
+        ids = tok.encode(text)
+        data = mx.array([ids[i * seq : (i + 1) * seq + 1] for i in range(batch)])
     model.freeze()
     mx.random.seed(0)
     linear_to_lora_layers(model, layers, {"rank": 8, "scale": 20.0, "dropout": 0.0})
-    loss = default_loss if loss_name == "default" else make_loss(model, verbose=False)
-    import sysconfig
-    from pathlib import Path
+    lines = []
+    logging.getLogger("mlx_lm_flash_cce").addHandler(_Collect(lines))
+    logging.getLogger("mlx_lm_flash_cce").setLevel(logging.INFO)
+    if loss_name.endswith("-nolimit"):  # measurement only: the path without MLX's backpressure
+        from mlx_lm_flash_cce import budget as _b
 
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
-    ids = tok.encode(text)
-    rows = [ids[i * seq : (i + 1) * seq + 1] for i in range(batch)]
-    data = mx.array(rows)
+        _b.LIMIT.hold = lambda extra: 0
+    loss = default_loss if loss_name == "default" else make_loss(model, verbose=False)
     lengths = mx.array([[0, seq]] * batch)
     opt = optim.Adam(learning_rate=1e-5)
     lvg = nn.value_and_grad(model, loss)
@@ -396,7 +536,21 @@ def one_step(loss_name, model_name, batch, seq, layers, steps):
         mx.eval(state, lvalue, toks)
         _sync()
         out.append((time.perf_counter() - tic, mx.get_peak_memory() - base, mx.get_peak_memory(), lvalue.item()))
-    return {"loss": loss_name, "first": out[0], "steps": out[1:]}
+    return {"loss": loss_name, "first": out[0], "steps": out[1:], "log": lines}
+
+
+def random_llama():
+    """A ~1.3B-parameter llama (16 layers, hidden 2048, V=151936, tied) with random bf16 weights."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                           num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, vocab_size=151936,
+                           tie_word_embeddings=True)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    return model
 
 
 def run_step(a, rows):
@@ -404,7 +558,7 @@ def run_step(a, rows):
           f"compiled trainer step, fresh process per loss (min of {a.step_repeats} after a compiling step)")
     print(f"{'loss':>10} | {'step s':>8} | {'peak MiB above weights':>22} {'process peak MiB':>16} | loss")
     results = {}
-    for loss_name in ("default", "flash-cce"):
+    for loss_name in a.step_losses:
         cmd = [sys.executable, __file__, "--_one-step", loss_name, "--step-model", a.step_model,
                "--step-batch", str(a.step_batch), "--step-seq", str(a.step_seq),
                "--step-layers", str(a.step_layers), "--step-repeats", str(a.step_repeats)]
@@ -417,11 +571,17 @@ def run_step(a, rows):
         best = min(r["steps"], key=lambda s: s[0])
         peak = max(s[1] for s in r["steps"])
         total = max(s[2] for s in r["steps"])
-        print(f"{loss_name:>10} | {best[0]:8.2f} | {_mib(peak):>22} {_mib(total):>16} | {best[3]:.5f}", flush=True)
-    d, f = results["default"], results["flash-cce"]
-    dt = min(s[0] for s in f["steps"]) / min(s[0] for s in d["steps"])
-    dm = max(s[1] for s in d["steps"]) / max(max(s[1] for s in f["steps"]), 1)
-    print(f"{'ratio':>10} | {dt:8.2f}x time | {dm:.1f}x less peak memory above the weights")
+        print(f"{loss_name:>10} | {best[0]:8.3f} | {_mib(peak):>22} {_mib(total):>16} | {best[3]:.5f} | first step "
+              f"{r['first'][0]:.2f} s", flush=True)
+        for line in r.get("log", []):
+            print(f"{'':>12} {line}", flush=True)
+    d = results["default"]
+    for name, f in results.items():
+        if name == "default":
+            continue
+        dt = min(s[0] for s in f["steps"]) / min(s[0] for s in d["steps"])
+        dm = max(s[1] for s in d["steps"]) / max(max(s[1] for s in f["steps"]), 1)
+        print(f"{'ratio':>10} | {name}: {dt:.3f}x time | {dm:.2f}x less peak memory above the weights")
     rows.append(results)
 
 
@@ -458,6 +618,13 @@ def main():
     p.add_argument("--step-seq", type=int, default=512)
     p.add_argument("--step-layers", type=int, default=4)
     p.add_argument("--step-repeats", type=int, default=1)
+    p.add_argument("--step-losses", nargs="*", default=["default", "flash-cce"],
+                   help="default, flash-cce, flash-cce-nolimit (without MLX's backpressure)")
+    p.add_argument("--auto-table", action="store_true")
+    p.add_argument("--auto-paths", nargs="*", default=None, help="--auto-table: only these path labels")
+    p.add_argument("--auto-budgets", nargs="*", default=["default"], help="--auto-table: budgets for auto rows")
+    p.add_argument("--auto-cache", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "flash-cce-bench-cache"),
+                   help="--auto-table: a scratch folder for auto's cache (emptied per row)")
     p.add_argument("--json", default=None, help="write all results here")
     p.add_argument("--_one-step", dest="one_step", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -467,7 +634,7 @@ def main():
         return
     a.dtype = a.dtype or ("bfloat16" if on_gpu() else "float32")
     a.warmup = a.warmup if a.warmup is not None else (1 if on_gpu() else 0)
-    if not (a.heads or a.step or a.crossover or a.filters or a.gpu_table):
+    if not (a.heads or a.step or a.crossover or a.filters or a.gpu_table or a.auto_table):
         a.heads = True
     blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled BLAS"
     print(f"mlx {mx.__version__}, device {mx.default_device()}"
@@ -479,6 +646,9 @@ def main():
     if a.gpu_table:
         results["gpu_table"] = []
         run_gpu_table(a, results["gpu_table"])
+    if a.auto_table:
+        results["auto_table"] = []
+        run_auto_table(a, results["auto_table"])
     if a.crossover:
         results["crossover"] = []
         run_crossover(a, results["crossover"])

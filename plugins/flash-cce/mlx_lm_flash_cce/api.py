@@ -140,7 +140,8 @@ def linear_cross_entropy(
     once per shape bucket on this device and cached, see ``autotune``) or
     a name from ``backends.names()``. ``memory_budget``: the most working
     memory the loss head may use above its inputs, bytes or ``"512M"`` /
-    ``"2G"`` (default ``budget.DEFAULT_BUDGET``); ``auto`` keeps to it. ``token_chunk`` tokens per pass;
+    ``"2G"`` (default: half of what the stock head would hold for this
+    call, at most ``budget.DEFAULT_CAP``); ``auto`` keeps to it. ``token_chunk`` tokens per pass;
     ``vocab_chunk`` vocabulary rows per block (0: ``chunk_elements //
     token_chunk``). ``with_grad``: compute the hidden gradient in the
     forward pass (one sweep); ``False`` for loss-only calls, where a

@@ -360,9 +360,14 @@ def _rank() -> int:
 
 
 def choose(spec, n, h, dtype, nbytes, opts, run_choice, include_stock=True) -> Candidate:
-    """The path for this call: cached, or measured now (rank 0's on every rank)."""
+    """The path for this call: cached, or measured now (rank 0's on every rank).
+
+    ``nbytes``: the memory budget (None: ``budget.default_for`` the batch).
+    """
     from mlx_lm_ext import PluginError
 
+    if nbytes is None:
+        nbytes = _budget.default_for(stock_bytes(n, spec.vocab, dtype))
     key = _key(spec, n, h, dtype, nbytes, opts)
     if key in _MEMORY:
         return _MEMORY[key].candidate

@@ -23,9 +23,11 @@ import mlx.core as mx
 log = logging.getLogger("mlx_lm_flash_cce")
 
 MIB = 1 << 20
-# Chosen from the H200 measurements in benchmarks/results/flash-cce-h200.md
-# (the README's "Memory budget" says why).
-DEFAULT_BUDGET = 2048 * MIB
+# The default budget: half of what the stock head would hold for the batch,
+# at most DEFAULT_CAP. Chosen from the H200 measurements in
+# benchmarks/results/flash-cce-h200.md (the README's "Memory budget" says why).
+DEFAULT_CAP = 2048 * MIB
+DEFAULT_SHARE = 0.5
 # No path runs in less (a few blocks and the [tokens, hidden] accumulators).
 MIN_BUDGET = 1 * MIB
 
@@ -52,10 +54,15 @@ def format_size(nbytes: float) -> str:
     return f"{mib}M"
 
 
-def resolve(budget) -> int:
-    """The budget in bytes: None gives ``DEFAULT_BUDGET``; below ``MIN_BUDGET`` is an error."""
+def default_for(stock_bytes: int) -> int:
+    """The default budget for a batch whose stock head needs ``stock_bytes``."""
+    return max(MIN_BUDGET, min(DEFAULT_CAP, int(stock_bytes * DEFAULT_SHARE)))
+
+
+def resolve(budget) -> Optional[int]:
+    """The budget in bytes (None: the default, ``default_for`` the batch); below ``MIN_BUDGET`` is an error."""
     if budget is None:
-        return DEFAULT_BUDGET
+        return None
     nbytes = parse_size(budget)
     if nbytes < MIN_BUDGET:
         raise ValueError(f"memory budget {budget!r} is below what any flash-cce path needs "

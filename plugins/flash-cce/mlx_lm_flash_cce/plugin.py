@@ -13,7 +13,7 @@ defaults are applied in ``activate``):
                         head runs (default: api.MIN_FLASH_ELEMENTS)
 ``--cce-no-check``      skip the one-time self-check against the model's logits
 ``--cce-memory-budget`` most working memory of the loss head above its inputs,
-                        e.g. 512M, 2G (default: budget.DEFAULT_BUDGET)
+                        e.g. 512M, 2G (default: budget.default_for the batch)
 """
 
 import argparse
@@ -70,7 +70,8 @@ def add_arguments(command, group):
                        help="skip the one-time check against the model's own logits")
     group.add_argument("--cce-memory-budget", default=None, metavar="SIZE",
                        help="most working memory the loss head may use above its inputs, e.g. 512M or 2G; "
-                            "the auto backend keeps the fastest path within it (default 2G)")
+                            "the auto backend keeps the fastest path within it (default: half of what "
+                            "the stock loss would hold, at most 2G)")
 
 
 def options_from(args):

@@ -193,11 +193,15 @@ def test_row_kernel_matches_mlx_step(rows, cols, dtype, opts):
     cfg = cuda_gemm.Config(kind="dense", names=("weight",), group_size=0, bits=0, mode="affine",
                            softcap=opts.get("softcap"), logit_scale=opts.get("logit_scale"), token_chunk=rows,
                            vocab_chunk=cols, with_grad=True, compute_dtype=dtype, kernel=False, train_weight=False)
-    want = cuda_gemm.mlx_step(cfg)(z, m, l)
+    want = cuda_gemm.mlx_step(cfg, lean=False)(z, m, l)
     got = cuda_gemm.kernel_step(z, m, l, opts.get("softcap"), opts.get("logit_scale"))
-    for name, g, w in zip(("m", "a", "l", "P"), got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape, name
+    lean = cuda_gemm.mlx_step(cfg)(z, m, l)
+    for name, g, w, e in zip(("m", "a", "l", "P"), got, want, lean):
+        assert g.dtype == w.dtype == e.dtype and g.shape == w.shape == e.shape, name
         assert rel_err(g, w) <= (1e-5 if name != "P" else 1e-2), name
+        # the lean step sums P in the blocks' dtype: l to that dtype's precision
+        tol = {"l": 2e-5 if dtype == mx.float32 else 8e-3, "P": 1e-2}.get(name, 1e-5)
+        assert rel_err(e, w) <= tol, name
 
 
 @needs_cuda
@@ -207,6 +211,6 @@ def test_kernel_and_mlx_elementwise_agree(dtype):
     a = flash(hidden, weight, targets, token_chunk=512, vocab_chunk=4096, elementwise="kernel")
     b = flash(hidden, weight, targets, token_chunk=512, vocab_chunk=4096, elementwise="mlx")
     ref_loss, ref_dh = reference(hidden, weight, targets)
-    assert rel_err(a[0], b[0]) <= 1e-4
+    assert rel_err(a[0], b[0]) <= 1e-3  # the MLX step's bf16/fp16 block sums: lse to ~2^-9 relative
     assert rel_err(a[1], b[1]) <= 2e-2
     assert rel_err(a[0], ref_loss) <= 1e-2 and rel_err(a[1], ref_dh) <= 3e-2

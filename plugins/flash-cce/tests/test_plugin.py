@@ -30,7 +30,7 @@ def test_options_apply_defaults_and_flags():
     opts = plugin.options_from(_parse())
     assert opts == {
         "impl": "auto", "backend": "auto", "token_chunk": 256, "vocab_chunk": 0, "filter_eps": None,
-        "block_skip_eps": None, "min_flash_elements": None, "check": True, "memory_budget": 2 << 30,
+        "block_skip_eps": None, "min_flash_elements": None, "check": True, "memory_budget": None,
     }
     opts = plugin.options_from(_parse("--cce-token-chunk", "256", "--cce-filter-eps", "1e-5", "--cce-no-check"))
     assert opts["token_chunk"] == 256 and opts["filter_eps"] == 1e-5 and opts["check"] is False
