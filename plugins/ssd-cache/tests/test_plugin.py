@@ -108,10 +108,13 @@ def test_server_exits_2_on_bad_flags(tmp_path):
     for flags, message in (
         (["--ssd-cache-bytes", "lots"], "is not a size"),
         (["--ssd-cache-dir", str(f)], "not a directory"),
+        (["--ssd-cache-dir", ""], "empty path"),
+        (["--ssd-cache-dir", str(tmp_path)], "not ssd-cache entries"),  # holds `file`
     ):
         r = subprocess.run([str(BIN / "mlx_lm.server"), "--plugin", "ssd-cache", *flags],
                            capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and message in r.stderr
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1  # one line, no usage block
 
 
 def test_python_api_enable_disable(tmp_path):
@@ -155,3 +158,45 @@ def test_operator_commands(tmp_path, tiny):
     assert junk.exists() and not (d / fp).exists()
     assert "removed 1 files" in run("clear", "--yes")
     assert "0 entries" in run("stats")
+
+
+DROP_IN = """
+import sys, mlx_lm_ext
+early = sys.argv[2] == "early"
+if early:
+    import mlx_lm.server as server
+enabled = mlx_lm_ext.enable("ssd-cache", ssd_cache_dir=sys.argv[1])
+import mlx_lm.server as server
+from mlx_lm.models.cache import LRUPromptCache as Stock
+c = server.LRUPromptCache()
+print(type(c).__name__, c.max_size, c.max_bytes == 1 << 63)
+c2 = server.LRUPromptCache(3, max_bytes=1000)
+print(c2.max_size, c2.max_bytes, isinstance(c2, server.LRUPromptCache), isinstance(c2, Stock))
+class Mine(server.LRUPromptCache):
+    pass
+m = Mine(4)
+print(type(m).__name__, m.max_size, issubclass(Mine, Stock))
+if enabled is not None:
+    mlx_lm_ext.disable("ssd-cache")
+print(server.LRUPromptCache is Stock)
+"""
+
+
+@pytest.mark.parametrize("when", ["early", "late"])
+def test_python_api_keeps_the_prompt_cache_class_contract(tmp_path, when):
+    r = subprocess.run([sys.executable, "-c", DROP_IN, str(tmp_path / "c"), when],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:4] == [
+        "SSDPromptCache 10 True", "3 1000 True True", "Mine 4 True", "True"]
+
+
+def test_the_disable_variable_wins_over_enable(tmp_path):
+    import os
+
+    env = dict(os.environ, MLX_LM_EXT_DISABLE="1")
+    r = subprocess.run([sys.executable, "-c", DROP_IN, str(tmp_path / "c"), "late"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[0] == "LRUPromptCache 10 True"  # mlx-lm's own
+    assert "MLX_LM_EXT_DISABLE is set" in r.stderr
