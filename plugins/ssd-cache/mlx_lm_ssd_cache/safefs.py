@@ -96,7 +96,7 @@ def make_root(root) -> None:
     Raises ``NotACache`` for a link, a non-directory, or a directory with
     content the tier did not make. ``OSError`` for I/O trouble.
     """
-    root = os.fspath(root)
+    root = os.fspath(root).rstrip("/") or "/"  # "link/" would resolve the link
     os.makedirs(root, exist_ok=True)
     st = os.lstat(root)
     if stat.S_ISLNK(st.st_mode):
@@ -128,6 +128,9 @@ def make_root(root) -> None:
 @contextlib.contextmanager
 def open_dir(path, dir_fd: Optional[int] = None) -> Iterator[int]:
     """An fd of directory ``path`` (relative to ``dir_fd``), never through a link."""
+    path = os.fspath(path)
+    if len(path) > 1:  # "link/" would resolve the link despite O_NOFOLLOW
+        path = path.rstrip("/") or "/"
     fd = os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
     try:
         yield fd
