@@ -1,8 +1,9 @@
 """The assistant drafter vs stock, n-gram and draft-model decoding, same run.
 
-    # a drafter trained by the documented command (notes/assistant-gpu.md, README):
+    # a drafter trained by the command in plugins/spec-decode/README.md
+    # (results: benchmarks/results/assistant-cpu.md, assistant-h200.md):
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        flock /tmp/mlx-lm-ext-heavy.lock python benchmarks/bench_assistant.py --drafter-path DIR
+        python benchmarks/bench_assistant.py --drafter-path DIR
 
 Target: SmolLM2-135M-Instruct (float32 by default; ``--dtype bfloat16`` on a
 GPU). Methods, each on the same prompts, greedy, one after the other:

@@ -1,7 +1,7 @@
 """Speculative decoding vs stock greedy decoding, same model, same run.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        flock /tmp/mlx-lm-ext-heavy.lock python benchmarks/bench_spec_decode.py
+        python benchmarks/bench_spec_decode.py
 
 Target: SmolLM2-135M-Instruct in float32 (the fast variant on a CPU with
 OpenBLAS). Methods, each on the same prompts, one after the other:

@@ -1,6 +1,6 @@
 """Benchmark of the ssd-cache plugin on the real SmolLM2-135M (float32).
 
-    flock /tmp/mlx-lm-ext-heavy.lock python benchmarks/bench_ssd_cache.py
+    python benchmarks/bench_ssd_cache.py
 
 (run with OpenBLAS preloaded: ``source scripts/env.sh``). Three tables, each
 measured against stock mlx-lm in the same run:

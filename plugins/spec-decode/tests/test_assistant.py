@@ -457,8 +457,7 @@ def test_mlx_lm_generate_command(tiny_model, llama, trained, tmp_path):
     assert text(ours.stdout) == text(stock_run.stdout)
     other = generate(tiny_model("qwen3"), "--plugin", "spec-decode", "--drafter", "assistant",
                      "--drafter-path", str(tmp_path / "a"))
-    # Refused once the model is loaded (make_drafter); the host shows the
-    # PluginError as a traceback there (request in notes/assistant-requests.md).
+    # Refused once the model is loaded (make_drafter), not before.
     assert other.returncode != 0 and "different model" in other.stderr
     missing = generate(model, "--plugin", "spec-decode", "--drafter", "assistant")
     assert missing.returncode == 2 and "--drafter-path" in missing.stderr
