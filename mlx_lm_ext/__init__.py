@@ -22,16 +22,16 @@ def enable(name, **options):
     command-line defaults. Raises ``PluginError`` for an unknown plugin or a
     bad option.
     """
-    from . import plugins
+    from . import integration
 
-    return plugins.enable(name, **options)
+    return integration.enable(name, **options)
 
 
 def disable(name):
     """Turn plugin ``name`` off again and undo its patches."""
-    from . import plugins
+    from . import integration
 
-    plugins.disable(name)
+    integration.disable(name)
 
 
 def enabled():

@@ -53,7 +53,10 @@ def activate(command, args):
 
     Called once per process after parsing (for lora: after the YAML merge),
     before mlx-lm loads a model. Validate options here and raise
-    ``PluginError`` with a clear message for bad ones.
+    ``PluginError`` with a clear message for bad ones. Return the validated
+    options (any object, or None): the host hands them back to this plugin
+    as ``options`` in ``make_prompt_cache``, ``make_drafter``, ``make_loss``
+    and the other hooks that take it.
     """
 
 
@@ -63,7 +66,7 @@ def deactivate():
 
 
 @hookspec(firstresult=True)
-def make_prompt_cache(args, max_size, max_bytes):
+def make_prompt_cache(args, options, max_size, max_bytes):
     """Return the server's prompt cache, or ``None`` to leave it alone.
 
     Called where ``mlx_lm.server`` builds ``LRUPromptCache(max_size,
@@ -99,13 +102,15 @@ def prompt_cache_classes():
 
 
 @hookspec(firstresult=True)
-def make_drafter(command, model, tokenizer, draft_model, args):
+def make_drafter(command, model, tokenizer, draft_model, args, options):
     """Return a drafter for speculative decoding, or ``None``.
 
     Called once the target model (and mlx-lm's own ``--draft-model``, passed
     as ``draft_model`` or ``None``) is loaded, in ``mlx_lm.generate`` and in
-    ``mlx_lm.server``. The result is handed to mlx-lm as its ``draft_model``,
-    so it reaches ``speculative_generate_step`` below.
+    ``mlx_lm.server``. In ``generate`` the host passes it to mlx-lm's
+    ``generate`` as ``draft_model``; in the server it becomes the model
+    provider's draft model (serving then runs one request at a time). Either
+    way it reaches ``speculative_generate_step`` below.
     """
 
 
@@ -124,12 +129,33 @@ def speculative_generate_step(prompt, model, draft_model, kwargs):
 
 
 @hookspec(firstresult=True)
-def make_loss(name, model, args):
+def make_loss(name, model, args, options):
     """Return a training loss for ``--loss name``, or ``None``.
 
     The loss has mlx-lm's ``default_loss(model, batch, lengths)`` signature
     and returns ``(mean_loss, ntokens)``. It is used for training and
     evaluation in ``mlx_lm.lora`` and must work inside the compiled step.
+    """
+
+
+@hookspec
+def usage_fields(info):
+    """Return fields to merge into a server response's ``usage``, or ``None``.
+
+    ``info`` is the request's dict from ``mlx_lm_ext.host.request_info()``,
+    where plugins recorded what they did while the request was generated.
+    A plugin that raises costs only its own fields.
+    """
+
+
+@hookspec
+def report_lines(command, source):
+    """Return lines to add to mlx-lm's own report, or ``None``.
+
+    ``command == "generate"``: printed after ``mlx_lm.generate --verbose``'s
+    figures; ``source`` is the request's info dict. ``command == "server"``:
+    logged after the server's "Prompt Cache: ..." lines; ``source`` is the
+    server's prompt cache.
     """
 
 

@@ -1,47 +1,50 @@
-"""How mlx-lm-ext sits inside mlx-lm's commands, without modifying mlx-lm.
+"""How mlx-lm-ext sits inside mlx-lm's commands, without modifying mlx-lm's files.
 
 ``patch(module)`` runs right after ``mlx_lm.generate``, ``mlx_lm.server`` or
 ``mlx_lm.lora`` is imported (see ``_boot``). It only teaches the command's
-parser ``--plugin`` (and lora ``--loss``); everything else is patched when a
-plugin is activated (``on_activate``), so a command where no plugin is named
-runs mlx-lm's own code. Facts and line numbers behind each patch:
-``shared/docs/mlx-lm-0.32-integration-map.md``.
+parser ``--plugin`` (and lora ``--loss``); everything else is installed when
+a plugin is activated (``on_activate``), so a command where no plugin is
+named runs mlx-lm's own code. Every change to mlx-lm goes through the ledger
+in ``patching`` under an owner named here; ``docs/architecture.md`` lists
+them with the mlx-lm facts each one relies on.
 """
 
 import argparse
 import functools
 import logging
 import sys
+import threading
 
-from . import PluginError, plugins
+from . import PluginError, host, patching, plugins
 
 log = logging.getLogger("mlx_lm_ext")
 
 SERVER_DESCRIPTION = "MLX Http Server."
-
-# Parsed command line of the running mlx-lm command ("generate", "server",
-# "lora"), shared by every plugin named on it.
-_cli_args = {}
-# Patches installed on activation: key -> function that undoes it.
-_undo = {}
+STATE = plugins.STATE
 
 
 # --------------------------------------------------------------- parsers
 
 
-def _named_plugins(argv, command):
-    """Plugins named on the command line, read before the real parse."""
+def _prescan(argv, command):
+    """``(plugin names, loss)`` named on the command line, before the real parse."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--plugin", action="append")
     if command == "lora":
         pre.add_argument("--loss")
     known, _ = pre.parse_known_args(argv)
-    names = plugins.split_names(known.plugin)
-    loss = getattr(known, "loss", None)
-    # An unknown loss is reported by lora's run(), after its YAML merge.
-    if loss in plugins.installed() and loss not in names:
-        names.append(loss)
-    return names
+    return plugins.split_names(known.plugin), getattr(known, "loss", None)
+
+
+def loss_plugin(loss):
+    """The plugin behind ``--loss NAME`` (None for mlx-lm's own); exits 2 if none."""
+    if loss in (None, "default"):
+        return None
+    installed = plugins.installed()
+    if loss not in installed or "lora" not in plugins.extends(loss):
+        losses = [n for n in sorted(installed) if "lora" in plugins.extends(n)]
+        plugins.fail(f"unknown loss '{loss}' (losses: {', '.join(['default', *losses])})")
+    return loss
 
 
 def _plugin_help():
@@ -59,9 +62,8 @@ def extend_parser(parser, command):
     The plugins' flags are added inside ``parse_args``, once the names are
     known, so they show in ``--help`` and are parsed by mlx-lm's own parser.
     """
-    if getattr(parser, "_mlx_lm_ext", False):
+    if any(a.dest == "plugin" for a in parser._actions):
         return parser
-    parser._mlx_lm_ext = True
     parser.add_argument(
         "--plugin", action="append", default=None, metavar="NAME", help=_plugin_help()
     )
@@ -77,7 +79,11 @@ def extend_parser(parser, command):
 
     def parse_args(args=None, namespace=None):
         argv = sys.argv[1:] if args is None else args
-        names = _named_plugins(argv, command)
+        names, loss = _prescan(argv, command)
+        # A loss named here brings its flags; an unknown one is reported by
+        # lora's run(), after its YAML merge (the YAML may name the loss).
+        if loss not in (None, "default") and loss in plugins.installed() and loss not in names:
+            names.append(loss)
         try:
             for name in names:
                 plugins.check_command(name, command)
@@ -86,93 +92,122 @@ def extend_parser(parser, command):
             plugins.fail(str(e))  # one line, not argparse's whole usage block
         ns = original(args, namespace)
         if command != "lora":  # lora activates after its YAML merge (run)
-            _activate_cli(names, command, ns, plugins.fail)
+            activate_cli(names, command, ns)
         return ns
 
-    parser.parse_args = parse_args
+    parser.parse_args = parse_args  # the parser object mlx-lm just built, not mlx-lm
     return parser
 
 
-def _activate_cli(names, command, args, error):
-    _cli_args[command] = args
+def activate_cli(names, command, args):
+    """Activate the named plugins for a command line; exit 2 (1) on bad input (a crash)."""
+    STATE.args[command] = args
     for name in names:
         try:
             plugins.activate(name, command, args)
         except plugins.ActivationFailed as e:
             plugins.fail(str(e), status=1)
         except PluginError as e:
-            error(str(e))
+            plugins.fail(str(e))
+    on_activate(command)
+
+
+def enable(name, **options):
+    """Python API (``mlx_lm_ext.enable``); ``MLX_LM_EXT_DISABLE=1`` wins."""
+    import os
+
+    from . import _boot
+
+    if os.environ.get("MLX_LM_EXT_DISABLE", "") not in ("", "0"):
+        log.warning("mlx-lm-ext: MLX_LM_EXT_DISABLE is set; plugin '%s' not enabled", name)
+        return None
+    _boot.install()  # where no .pth ran (python -S, embedded interpreters)
+    args = plugins.python_args(name, options)
+    plugin = plugins.activate(name, "python", args)
+    # Every plugin enabled from Python adds its options to one namespace.
+    vars(STATE.args.setdefault("python", argparse.Namespace())).update(vars(args))
+    on_activate("python")
+    return plugin
+
+
+def disable(name):
+    plugins.deactivate(name)
+    on_deactivate()
 
 
 # ---------------------------------------------------------- module patches
 
 
 def patch(module):
+    """Teach a freshly imported mlx-lm command module ``--plugin`` (owner "core")."""
     patcher = {
         "mlx_lm.generate": _patch_generate,
         "mlx_lm.server": _patch_server,
         "mlx_lm.lora": _patch_lora,
     }.get(module.__name__)
-    if patcher is None or getattr(module, "_mlx_lm_ext_patched", False):
+    if patcher is None:
         return
     patcher(module)
-    module._mlx_lm_ext_patched = True
-    if "python" in _cli_args:  # plugins enabled from Python before this import
+    if "python" in STATE.args:  # plugins enabled from Python before this import
         on_activate("python")
 
 
 def _patch_generate(mod):
-    build = mod.setup_arg_parser
+    def make(build):
+        @functools.wraps(build)
+        def setup_arg_parser():
+            return extend_parser(build(), "generate")
 
-    @functools.wraps(build)
-    def setup_arg_parser():
-        return extend_parser(build(), "generate")
+        return setup_arg_parser
 
-    mod.setup_arg_parser = setup_arg_parser
+    patching.wrap("core", mod, "setup_arg_parser", make)
 
 
 def _patch_lora(mod):
-    build = mod.build_parser
-    run = mod.run
+    def make_build(build):
+        @functools.wraps(build)
+        def build_parser():
+            return extend_parser(build(), "lora")
 
-    @functools.wraps(build)
-    def build_parser():
-        return extend_parser(build(), "lora")
+        return build_parser
 
-    @functools.wraps(run)
-    def run_with_plugins(args, training_callback=None):
-        _activate_lora(args)
-        return run(args, training_callback)
+    def make_run(run):
+        @functools.wraps(run)
+        def run_with_plugins(args, training_callback=None):
+            _activate_lora(args)
+            return run(args, training_callback)
 
-    mod.build_parser = build_parser
-    mod.run = run_with_plugins
+        return run_with_plugins
+
+    patching.wrap("core", mod, "build_parser", make_build)
+    patching.wrap("core", mod, "run", make_run)
 
 
 def _patch_server(mod):
-    main = mod.main
+    def make(main):
+        @functools.wraps(main)
+        def main_with_plugins():
+            # The server builds its parser inside main() and main() never
+            # returns, so catch its parser by description and restore at once.
+            cls = argparse.ArgumentParser
+            original = cls.parse_args
 
-    @functools.wraps(main)
-    def main_with_plugins():
-        # The server builds its parser inside main() and main() never returns,
-        # so catch its parser by description and restore at once.
-        cls = argparse.ArgumentParser
-        original = cls.parse_args
+            def parse_args(self, args=None, namespace=None):
+                if self.description != SERVER_DESCRIPTION:
+                    return original(self, args, namespace)
+                patching.undo("core.server-parser")
+                extend_parser(self, "server")
+                return self.parse_args(args, namespace)
 
-        def parse_args(self, args=None, namespace=None):
-            if self.description != SERVER_DESCRIPTION:
-                return original(self, args, namespace)
-            cls.parse_args = original
-            extend_parser(self, "server")
-            return self.parse_args(args, namespace)
+            patching.replace("core.server-parser", cls, "parse_args", parse_args)
+            try:
+                return main()
+            finally:
+                patching.undo("core.server-parser")
 
-        cls.parse_args = parse_args
-        try:
-            return main()
-        finally:
-            if cls.parse_args is parse_args:
-                cls.parse_args = original
+        return main_with_plugins
 
-    mod.main = main_with_plugins
+    patching.wrap("core", mod, "main", make)
 
 
 # ------------------------------------------------------------------- lora
@@ -180,15 +215,9 @@ def _patch_server(mod):
 
 def _activate_lora(args):
     names = plugins.split_names(getattr(args, "plugin", None))
-    loss = getattr(args, "loss", None)
-    installed = plugins.installed()
-    if loss not in (None, "default"):
-        if loss not in installed or "lora" not in plugins.extends(loss):
-            losses = [n for n in sorted(installed) if "lora" in plugins.extends(n)]
-            have = ", ".join(["default", *losses])
-            plugins.fail(f"unknown loss '{loss}' (losses: {have})")
-        if loss not in names:
-            names.append(loss)
+    loss = loss_plugin(getattr(args, "loss", None))
+    if loss is not None and loss not in names:
+        names.append(loss)
     for name in names:
         try:
             plugins.check_command(name, "lora")
@@ -198,8 +227,8 @@ def _activate_lora(args):
                     setattr(args, key, value)
         except PluginError as e:
             plugins.fail(str(e))
-    _activate_cli(names, "lora", args, plugins.fail)
-    if loss not in (None, "default"):
+    activate_cli(names, "lora", args)
+    if loss is not None:
         _install_loss(loss, args)
 
 
@@ -210,7 +239,7 @@ def _install_loss(name, args):
     def loss_for(model):
         # One loss per model: train and evaluate share its one-time checks.
         if id(model) not in made:
-            fn = plugins.hook().make_loss(name=name, model=model, args=args)
+            fn = plugins.first("make_loss", name=name, model=model, args=args)
             if fn is None:
                 plugins.fail(f"no active plugin provides the loss '{name}'")
             made[id(model)] = fn
@@ -226,101 +255,105 @@ def _install_loss(name, args):
 
         return wrapper
 
-    _replace(mod, "train", with_loss(mod.train), "lora.train")
-    _replace(mod, "evaluate", with_loss(mod.evaluate), "lora.evaluate")
+    patching.wrap("lora.loss", mod, "train", with_loss)
+    patching.wrap("lora.loss", mod, "evaluate", with_loss)
 
 
 # ------------------------------------------------------- activation patches
 
+# owner -> hooks that keep it installed (``on_deactivate`` undoes the rest)
+NEEDS = {
+    "generate.dispatch": ("speculative_generate_step",),
+    "generate.generate": ("make_drafter", "report_lines"),
+    "server.prompt_cache": ("make_prompt_cache",),
+    "server.model": ("make_drafter", "model_loaded"),
+    "server.requests": ("usage_fields", "report_lines"),
+}
 
-def _replace(obj, attr, value, key):
-    if key in _undo:
-        return
-    old = getattr(obj, attr)
-    setattr(obj, attr, value)
-    _undo[key] = lambda: setattr(obj, attr, old)
+
+def _implements(hookname):
+    return plugins.implements(hookname, list(STATE.active))
 
 
-def on_activate(command, args=None):
+def on_activate(command):
     """Install what the active plugins need, once.
 
     ``command`` is the mlx-lm command, or ``"python"`` for plugins enabled
     from user code: then each module's patches go in as soon as mlx-lm's
     module is imported (see ``patch``).
     """
-    if command == "python" and args is not None:
-        # Every plugin enabled from Python adds its options to one namespace.
-        merged = _cli_args.setdefault("python", argparse.Namespace())
-        vars(merged).update(vars(args))
-    if plugins.implements("speculative_generate_step"):
+    if _implements("speculative_generate_step"):
         _install_dispatcher()
-    if command == "generate" and plugins.implements("make_drafter"):
-        _install_generate_drafter()
+    if command == "generate" and (_implements("make_drafter") or _implements("report_lines")):
+        _install_generate()
     if command == "server" or (command == "python" and "mlx_lm.server" in sys.modules):
-        if plugins.implements("make_prompt_cache"):
+        if _implements("make_prompt_cache"):
             _install_prompt_cache()
-        drafters = command == "server" and plugins.implements("make_drafter")
-        if drafters or plugins.implements("model_loaded"):
+        if (command == "server" and _implements("make_drafter")) or _implements("model_loaded"):
             _install_model_hook()
+        if _implements("usage_fields") or _implements("report_lines"):
+            _install_requests()
 
 
 def on_deactivate():
     """Undo what no active plugin needs any more (Python API)."""
-    needs = {
-        "generate.speculative_generate_step": ("speculative_generate_step",),
-        "generate.generate": ("make_drafter",),
-        "server.LRUPromptCache": ("make_prompt_cache",),
-        "server.ModelProvider._load": ("make_drafter", "model_loaded"),
-    }
-    for key, hooknames in needs.items():
-        if key in _undo and not any(plugins.implements(h) for h in hooknames):
-            _undo.pop(key)()
-    if not plugins.active():
-        _cli_args.pop("python", None)
+    for owner, hooknames in NEEDS.items():
+        if not any(_implements(h) for h in hooknames):
+            patching.undo(owner)
+    if not STATE.active:
+        STATE.args.pop("python", None)
 
 
 def _install_dispatcher():
     import importlib
 
     mod = importlib.import_module("mlx_lm.generate")
-    original = mod.speculative_generate_step
 
-    @functools.wraps(original)
-    def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
-        if args:  # mlx-lm passes stream positionally
-            kwargs["stream"] = args[0]
-        gen = plugins.hook().speculative_generate_step(
-            prompt=prompt, model=model, draft_model=draft_model, kwargs=kwargs
-        )
-        if gen is None:
-            gen = original(prompt, model, draft_model, **kwargs)
-        return gen
-
-    _replace(mod, "speculative_generate_step", speculative_generate_step,
-             "generate.speculative_generate_step")
-
-
-def _install_generate_drafter():
-    mod = sys.modules["mlx_lm.generate"]
-    original = mod.generate
-
-    @functools.wraps(original)
-    def generate(model, tokenizer, prompt, verbose=False, **kwargs):
-        try:
-            drafter = plugins.hook().make_drafter(
-                command="generate",
-                model=model,
-                tokenizer=tokenizer,
-                draft_model=kwargs.get("draft_model"),
-                args=_cli_args.get("generate"),
+    def make(original):
+        @functools.wraps(original)
+        def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
+            if args:  # mlx-lm passes stream positionally
+                kwargs["stream"] = args[0]
+            gen = plugins.first(
+                "speculative_generate_step",
+                prompt=prompt, model=model, draft_model=draft_model, kwargs=kwargs,
             )
-        except PluginError as e:  # e.g. a drafter made for another model
-            plugins.fail(str(e))
-        if drafter is not None:
-            kwargs["draft_model"] = drafter
-        return original(model, tokenizer, prompt, verbose=verbose, **kwargs)
+            if gen is None:
+                gen = original(prompt, model, draft_model, **kwargs)
+            return gen
 
-    _replace(mod, "generate", generate, "generate.generate")
+        return speculative_generate_step
+
+    patching.wrap("generate.dispatch", mod, "speculative_generate_step", make)
+
+
+def _install_generate():
+    """``mlx_lm.generate.generate``: the drafter goes in, plugins' report lines come out."""
+    mod = sys.modules["mlx_lm.generate"]
+
+    def make(original):
+        @functools.wraps(original)
+        def generate(model, tokenizer, prompt, verbose=False, **kwargs):
+            try:
+                drafter = plugins.first(
+                    "make_drafter", command="generate", model=model, tokenizer=tokenizer,
+                    draft_model=kwargs.get("draft_model"), args=STATE.args.get("generate"),
+                )
+            except PluginError as e:  # e.g. a drafter made for another model
+                plugins.fail(str(e))
+            if drafter is not None:
+                kwargs["draft_model"] = drafter
+            with host.serving({}) as info:
+                text = original(model, tokenizer, prompt, verbose=verbose, **kwargs)
+            if verbose:
+                for lines in plugins.collect("report_lines", command="generate", source=info):
+                    for line in lines:
+                        print(line)
+            return text
+
+        return generate
+
+    patching.wrap("generate.generate", mod, "generate", make)
 
 
 def _install_prompt_cache():
@@ -331,6 +364,8 @@ def _install_prompt_cache():
     ``LRUPromptCache`` too), and user subclasses get mlx-lm's own cache.
     """
     mod = sys.modules["mlx_lm.server"]
+    if patching.owned("server.prompt_cache"):
+        return
     stock = mod.LRUPromptCache
 
     class _Meta(type(stock)):
@@ -346,8 +381,9 @@ def _install_prompt_cache():
         def __new__(cls, max_size: int = 10, max_bytes: int = 1 << 63):
             if cls is LRUPromptCache:
                 try:
-                    cache = plugins.hook().make_prompt_cache(
-                        args=_cli_args.get("server") or _cli_args.get("python"),
+                    cache = plugins.first(
+                        "make_prompt_cache",
+                        args=STATE.args.get("server") or STATE.args.get("python"),
                         max_size=max_size,
                         max_bytes=max_bytes,
                     )
@@ -360,47 +396,108 @@ def _install_prompt_cache():
 
     LRUPromptCache.__module__ = stock.__module__
     LRUPromptCache.__qualname__ = stock.__qualname__
-    _replace(mod, "LRUPromptCache", LRUPromptCache, "server.LRUPromptCache")
+    patching.wrap("server.prompt_cache", mod, "LRUPromptCache", lambda _: LRUPromptCache)
 
 
 def _install_model_hook():
     """Tell plugins of each model the server loads; hand drafters to mlx-lm."""
     provider = sys.modules["mlx_lm.server"].ModelProvider
-    original = provider._load
 
-    @functools.wraps(original)
-    def _load(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        command = "server" if "server" in _cli_args else "python"
-        try:
-            plugins.hook().model_loaded(
-                command=command, model_key=self.model_key, model=self.model,
+    def make(original):
+        @functools.wraps(original)
+        def _load(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            command = "server" if "server" in STATE.args else "python"
+            plugins.collect(
+                "model_loaded", command=command, model_key=self.model_key, model=self.model,
                 draft_model=self.draft_model, tokenizer=self.tokenizer,
             )
-        except Exception as e:
-            log.warning("a plugin failed on the loaded model: %s", e)
-        if command != "server" or not plugins.implements("make_drafter"):
+            if command != "server" or not _implements("make_drafter"):
+                return result
+            try:
+                drafter = plugins.first(
+                    "make_drafter", command="server", model=self.model,
+                    tokenizer=self.tokenizer, draft_model=self.draft_model, args=self.cli_args,
+                )
+            except Exception as e:
+                log.warning("drafter plugin failed, serving without it: %s", e)
+                drafter = None
+            if drafter is not None:
+                # Leave model_key alone: load() compares it on every request.
+                self.draft_model = drafter
+                self.is_batchable = False
             return result
-        try:
-            drafter = plugins.hook().make_drafter(
-                command="server",
-                model=self.model,
-                tokenizer=self.tokenizer,
-                draft_model=self.draft_model,
-                args=self.cli_args,
-            )
-        except Exception as e:
-            log.warning("drafter plugin failed, serving without it: %s", e)
-            drafter = None
-        if drafter is not None:
-            # Leave model_key alone: load() compares it on every request.
-            self.draft_model = drafter
-            self.is_batchable = False
-        return result
 
-    _replace(provider, "_load", _load, "server.ModelProvider._load")
+        return _load
+
+    patching.wrap("server.model", provider, "_load", make)
+
+
+def _install_requests():
+    """Per-request figures of plugins into ``usage``; plugins' lines into the cache log."""
+    mod = sys.modules["mlx_lm.server"]
+    handler_local = _HandlerLocal()
+
+    def make_serve_single(original):
+        @functools.wraps(original)
+        def _serve_single(self, request, stream):
+            rqueue, req, args = request
+            info = {}
+
+            class Queue:  # the request's context object carries its plugin figures
+                def put(self, item, *a, **kw):
+                    if type(item).__name__ == "GenerationContext":
+                        item.mlx_lm_ext = info
+                    return rqueue.put(item, *a, **kw)
+
+            with host.serving(info):
+                return original(self, (Queue(), req, args), stream)
+
+        return _serve_single
+
+    def make_generate(original):
+        @functools.wraps(original)
+        def generate(self, *a, **kw):
+            ctx, it = original(self, *a, **kw)
+            handler_local.ctx = ctx  # this handler thread's current request
+            return ctx, it
+
+        return generate
+
+    def make_response(original):
+        @functools.wraps(original)
+        def with_usage(self, *a, **kw):
+            resp = original(self, *a, **kw)
+            info = getattr(getattr(handler_local, "ctx", None), "mlx_lm_ext", None)
+            if info and isinstance(resp, dict) and isinstance(resp.get("usage"), dict):
+                for fields in plugins.collect("usage_fields", info=info):
+                    resp["usage"].update(fields)
+            return resp
+
+        return with_usage
+
+    def make_log(original):
+        @functools.wraps(original)
+        def _log_cache_stats(self):
+            original(self)
+            for lines in plugins.collect("report_lines", command="server", source=self.prompt_cache):
+                for line in lines:
+                    logging.info(line)  # mlx-lm logs these lines on the root logger
+
+        return _log_cache_stats
+
+    rg, handler = mod.ResponseGenerator, mod.APIHandler
+    patching.wrap("server.requests", rg, "_serve_single", make_serve_single)
+    patching.wrap("server.requests", rg, "generate", make_generate)
+    patching.wrap("server.requests", rg, "_log_cache_stats", make_log)
+    patching.wrap("server.requests", handler, "generate_response", make_response)
+    patching.wrap("server.requests", handler, "completion_usage_response", make_response)
+
+
+class _HandlerLocal(threading.local):
+    ctx = None
 
 
 def prompt_cache_classes():
     """Cache classes the active plugins append to prompt caches (see the hook)."""
-    return [cls for classes in plugins.hook().prompt_cache_classes() for cls in classes or ()]
+    return [cls for classes in plugins.collect("prompt_cache_classes") for cls in classes]

@@ -9,6 +9,8 @@ import argparse
 import importlib.metadata
 import logging
 import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
 import pluggy
 
@@ -25,16 +27,35 @@ class ActivationFailed(PluginError):
     """A plugin broke while activating (not the user's input): exit status 1."""
 
 
-_pm = None
-_active = {}  # name -> (plugin object, args Namespace)
+@dataclass
+class Active:
+    """One active plugin: its module, the command it serves, its options."""
+
+    plugin: Any
+    command: str
+    args: argparse.Namespace
+    options: Any  # what its ``activate`` returned (validated options), or None
 
 
-def manager():
-    global _pm
-    if _pm is None:
-        _pm = pluggy.PluginManager("mlx_lm_ext")
-        _pm.add_hookspecs(hookspecs)
-    return _pm
+@dataclass
+class State:
+    """Everything the host knows about activation, in one place."""
+
+    manager: Optional[pluggy.PluginManager] = None
+    active: Dict[str, Active] = field(default_factory=dict)  # in activation order
+    # Parsed command line per command ("generate", "server", "lora"), and the
+    # plugins' options merged for "python" (``mlx_lm_ext.enable``).
+    args: Dict[str, argparse.Namespace] = field(default_factory=dict)
+
+
+STATE = State()
+
+
+def manager() -> pluggy.PluginManager:
+    if STATE.manager is None:
+        STATE.manager = pluggy.PluginManager("mlx_lm_ext")
+        STATE.manager.add_hookspecs(hookspecs)
+    return STATE.manager
 
 
 def hook():
@@ -153,59 +174,86 @@ def defaults(name, command):
 
 
 def activate(name, command, args):
-    """Activate plugin ``name``; errors become ``PluginError`` with a clear text."""
+    """Activate plugin ``name``; errors become ``PluginError`` with a clear text.
+
+    What the plugin's ``activate`` returns (its validated options) is kept
+    and handed back to it by ``first``. The host's patches are installed by
+    the caller (``integration.activate``).
+    """
     from . import compat
 
     compat.check()
     plugin = load(name)
-    if name in _active:
+    if name in STATE.active:
         return plugin
     try:
-        call(plugin, "activate", command=command, args=args)
+        options = call(plugin, "activate", command=command, args=args)
     except PluginError:
         raise
     except Exception as e:
         log.debug("activation of %s failed", name, exc_info=True)
         raise ActivationFailed(f"plugin '{name}' failed to activate: {e}") from e
-    _active[name] = (plugin, args)
-    from . import integration
-
-    integration.on_activate(command, args)
+    STATE.active[name] = Active(plugin, command, args, options)
     return plugin
+
+
+def first(hookname, **kwargs):
+    """The first non-None result of ``hookname`` among the active plugins.
+
+    Each plugin gets its own validated options as ``options`` (if its
+    implementation takes them); plugins are asked in activation order.
+    """
+    impls = {impl.plugin: impl for impl in getattr(manager().hook, hookname).get_hookimpls()}
+    for entry in list(STATE.active.values()):
+        impl = impls.get(entry.plugin)
+        if impl is None:
+            continue
+        args = dict(kwargs, options=entry.options)
+        result = impl.function(**{k: args[k] for k in impl.argnames if k in args})
+        if result is not None:
+            return result
+    return None
+
+
+def collect(hookname, **kwargs) -> List[Any]:
+    """Every active plugin's result of ``hookname`` (None results left out).
+
+    A plugin that raises costs only its own result (logged), never the caller.
+    """
+    impls = {impl.plugin: impl for impl in getattr(manager().hook, hookname).get_hookimpls()}
+    out = []
+    for name, entry in list(STATE.active.items()):
+        impl = impls.get(entry.plugin)
+        if impl is None:
+            continue
+        args = dict(kwargs, options=entry.options)
+        try:
+            result = impl.function(**{k: args[k] for k in impl.argnames if k in args})
+        except Exception as e:
+            log.warning("plugin '%s' failed in %s: %s", name, hookname, e)
+            continue
+        if result is not None:
+            out.append(result)
+    return out
 
 
 def active():
     """``{name: args}`` of active plugins."""
-    return {name: args for name, (_, args) in _active.items()}
+    return {name: entry.args for name, entry in STATE.active.items()}
 
 
 def deactivate(name):
-    entry = _active.pop(name, None)
+    entry = STATE.active.pop(name, None)
     if entry is None:
         return
-    plugin = entry[0]
     try:
-        call(plugin, "deactivate")
+        call(entry.plugin, "deactivate")
     finally:
-        manager().unregister(plugin)
-        from . import integration
-
-        integration.on_deactivate()
+        manager().unregister(entry.plugin)
 
 
-def enable(name, **options):
-    """Python API: activate ``name`` for calls made from this process.
-
-    ``MLX_LM_EXT_DISABLE=1`` wins: nothing is enabled (a warning says so).
-    """
-    import os
-
-    from . import _boot
-
-    if os.environ.get("MLX_LM_EXT_DISABLE", "") not in ("", "0"):
-        log.warning("mlx-lm-ext: MLX_LM_EXT_DISABLE is set; plugin '%s' not enabled", name)
-        return None
-    _boot.install()  # where no .pth ran (python -S, embedded interpreters)
+def python_args(name, options):
+    """Plugin ``name``'s defaults with ``options`` (keywords) applied, checked."""
     args = defaults(name, "python")
     for key, value in options.items():
         if not hasattr(args, key):
@@ -214,12 +262,7 @@ def enable(name, **options):
                 f"plugin '{name}' has no option '{key}' (options: {known})"
             )
         setattr(args, key, value)
-    activate(name, "python", args)
-    return load(name)
-
-
-def disable(name):
-    deactivate(name)
+    return args
 
 
 def fail(message, status=2):

@@ -176,17 +176,16 @@ def plugin_log(tmp_path, monkeypatch):
 @pytest.fixture
 def host(plugin_dir, monkeypatch):
     """In-process host with the test plugins installed; state reset after."""
-    from mlx_lm_ext import integration, plugins
+    from mlx_lm_ext import patching, plugins
 
     monkeypatch.syspath_prepend(str(plugin_dir))
     yield plugins
     for name in list(plugins.active()):
         plugins.deactivate(name)
-    for undo in list(integration._undo.values()):
-        undo()
-    integration._undo.clear()
-    integration._cli_args.clear()
-    plugins._pm = None
+    for owner in {p.owner for p in patching.patches()} - {"core"}:
+        patching.undo(owner)
+    plugins.STATE.args.clear()
+    plugins.STATE.manager = None
     for mod in ("mlx_lm_ext_testplugin", "mlx_lm_ext_serveronly"):
         sys.modules.pop(mod, None)
 

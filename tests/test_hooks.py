@@ -93,7 +93,7 @@ def test_dispatcher_routes_to_plugin_and_is_removed_on_disable(host, plugin_log,
 
 
 def test_boot_patches_late_imports_once():
-    from mlx_lm_ext import _boot, integration
+    from mlx_lm_ext import _boot, integration, patching
 
     mod = sys.modules.get("mlx_lm.generate")
     if mod is None:
@@ -101,9 +101,44 @@ def test_boot_patches_late_imports_once():
 
         mod = importlib.import_module("mlx_lm.generate")
     assert _boot.active()
-    assert getattr(mod, "_mlx_lm_ext_patched", False)
+    assert any(p.obj is mod and p.attr == "setup_arg_parser" and p.owner == "core"
+               for p in patching.patches())
     wrapped = mod.setup_arg_parser
     integration.patch(mod)  # idempotent, as importlib.reload would do
     assert mod.setup_arg_parser is wrapped
     parser = mod.setup_arg_parser()
     assert "--plugin" in parser.format_help()
+
+
+def test_the_ledger_refuses_a_second_owner_and_undoes_by_owner():
+    import types
+
+    from mlx_lm_ext import patching
+
+    target = types.SimpleNamespace(f=1, g=2)
+    patching.replace("a", target, "f", 10)
+    patching.replace("a", target, "f", 10)  # same owner: a no-op
+    with pytest.raises(patching.PatchConflict, match="already patched by a"):
+        patching.replace("b", target, "f", 20)
+    patching.wrap("a", target, "g", lambda old: old * 100)
+    assert (target.f, target.g) == (10, 200)
+    target.k = 3
+    with patching.scoped("c", [(target, "k", 4)]):
+        assert target.k == 4 and patching.owned("c")
+    assert target.k == 3 and not patching.owned("c")
+    assert patching.undo("a") == 2 and (target.f, target.g) == (1, 2)
+    assert not patching.owned("a")
+
+
+def test_no_mlx_lm_attribute_is_assigned_outside_the_ledger():
+    """Every change to mlx-lm goes through ``mlx_lm_ext/patching.py``."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sources = list((root / "mlx_lm_ext").glob("*.py")) + list(root.glob("plugins/*/mlx_lm_*/**/*.py"))
+    pattern = re.compile(r"^\s*(?:setattr\(\s*(?:mod|server|provider|rg|handler|cls)\b|"
+                         r"(?:mod|server|provider|rg|handler|m)\.[A-Za-z_]+\s*=[^=])")
+    offenders = [f"{p.relative_to(root)}:{i}" for p in sources if p.name != "patching.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []

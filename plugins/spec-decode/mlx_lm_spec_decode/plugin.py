@@ -8,21 +8,14 @@ command line the plugin's loop always runs (``--drafter`` defaults to
 being wrapped (Python API: ``stream_generate(..., draft_model=module)``) is
 left to mlx-lm's own loop: wrap it in ``DraftModelDrafter`` to use this one.
 
-Patches, installed in ``activate`` and inert after ``deactivate``:
-
-- ``mlx_lm.generate.generate`` (the CLI's call, ``generate`` command only):
-  with ``--verbose`` print the request's drafting figures after mlx-lm's own.
-- ``mlx_lm.server``: ``ResponseGenerator._serve_single`` and ``.generate``
-  carry each request's figures to its handler, and ``APIHandler``'s
-  ``generate_response`` / ``completion_usage_response`` add them to
-  ``usage``. The log line comes from the loop itself (logger
-  ``mlx_lm_spec_decode``, INFO).
+It patches nothing: the loop records each request's figures in the host's
+``request_info()``, and the host asks ``report_lines`` (``--verbose``
+output of ``mlx_lm.generate``) and ``usage_fields`` (the server's
+``usage``) for them. The log line comes from the loop itself (logger
+``mlx_lm_spec_decode``, INFO).
 """
 
-import functools
 import logging
-import sys
-import threading
 from pathlib import Path
 
 from mlx_lm_ext import PluginError, hookimpl
@@ -35,9 +28,6 @@ from .ngram import NGramDrafter
 log = logging.getLogger("mlx_lm_spec_decode")
 
 DRAFTERS = ("ngram", "draft-model", "assistant")
-_state = {"active": False, "args": None}
-_undo = []
-_http = threading.local()
 
 
 @hookimpl
@@ -100,18 +90,28 @@ def _check(args):
 @hookimpl
 def activate(command, args):
     _check(args)
-    _state.update(active=True, args=args)
-    if command == "generate":
-        _patch_generate_verbose()
-    if command == "server":
-        _patch_server()
+    return args  # the validated flags: handed back as ``options``
 
 
 @hookimpl
-def deactivate():
-    _state.update(active=False, args=None)
-    while _undo:
-        _undo.pop()()
+def usage_fields(info):
+    s = info.get("spec-decode")
+    if s is None:
+        return None
+    return {
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": s.accepted,
+            "rejected_prediction_tokens": s.drafted - s.accepted,
+        },
+        "speculative_decoding": s.as_dict(),
+    }
+
+
+@hookimpl
+def report_lines(command, source):
+    if command != "generate" or source.get("spec-decode") is None:
+        return None
+    return [source["spec-decode"].line()]
 
 
 def _options(args, which):
@@ -123,8 +123,8 @@ def _options(args, which):
 
 
 @hookimpl
-def make_drafter(command, model, tokenizer, draft_model, args):
-    args = args if args is not None else _state["args"]
+def make_drafter(command, model, tokenizer, draft_model, args, options):
+    args = args if args is not None else options
     which = getattr(args, "drafter", None) or ("draft-model" if draft_model is not None else "ngram")
     opts = _options(args, which)
     if which == "assistant":
@@ -194,95 +194,3 @@ def speculative_generate_step(prompt, model, draft_model, kwargs):
     from .loop import speculative_generate_step as loop
 
     return loop(prompt, model, draft_model, **kwargs)
-
-
-# ------------------------------------------------------------------ patches
-
-
-def _patch(obj, attr, make):
-    old = getattr(obj, attr)
-    new = make(old)
-    setattr(obj, attr, new)
-
-    def undo():
-        # Restore only if nobody wrapped us since; else the wrapper goes inert.
-        if getattr(obj, attr) is new:
-            setattr(obj, attr, old)
-
-    _undo.append(undo)
-
-
-def _patch_generate_verbose():
-    mod = sys.modules["mlx_lm.generate"]
-
-    def make(original):
-        @functools.wraps(original)
-        def generate(model, tokenizer, prompt, verbose=False, **kwargs):
-            before = stats_mod.last()
-            text = original(model, tokenizer, prompt, verbose=verbose, **kwargs)
-            s = stats_mod.last()
-            if verbose and _state["active"] and s is not None and s is not before:
-                print(s.line())
-            return text
-
-        return generate
-
-    _patch(mod, "generate", make)
-
-
-def _patch_server():
-    mod = sys.modules["mlx_lm.server"]
-    rg, handler = mod.ResponseGenerator, mod.APIHandler
-
-    def make_serve_single(original):
-        @functools.wraps(original)
-        def _serve_single(self, request, stream):
-            rqueue, req, args = request
-            box = {}
-
-            class Queue:  # remembers the request's context object
-                def put(self, item, *a, **kw):
-                    if type(item).__name__ == "GenerationContext":
-                        box["ctx"] = item
-                    return rqueue.put(item, *a, **kw)
-
-            def sink(s):
-                if "ctx" in box:
-                    box["ctx"].spec_decode = s
-
-            stats_mod.set_sink(sink)
-            try:
-                return original(self, (Queue(), req, args), stream)
-            finally:
-                stats_mod.set_sink(None)
-
-        return _serve_single
-
-    def make_generate(original):
-        @functools.wraps(original)
-        def generate(self, *a, **kw):
-            ctx, it = original(self, *a, **kw)
-            _http.ctx = ctx  # the handler thread's current request
-            return ctx, it
-
-        return generate
-
-    def make_response(original):
-        @functools.wraps(original)
-        def wrapper(self, *a, **kw):
-            resp = original(self, *a, **kw)
-            s = getattr(getattr(_http, "ctx", None), "spec_decode", None)
-            if _state["active"] and s is not None and isinstance(resp, dict) and "usage" in resp:
-                resp["usage"]["completion_tokens_details"] = {
-                    "accepted_prediction_tokens": s.accepted,
-                    "rejected_prediction_tokens": s.drafted - s.accepted,
-                }
-                resp["usage"]["speculative_decoding"] = s.as_dict()
-            return resp
-
-        return wrapper
-
-    _patch(rg, "_serve_single", make_serve_single)
-    _patch(rg, "generate", make_generate)
-    _patch(handler, "generate_response", make_response)
-    _patch(handler, "completion_usage_response", make_response)

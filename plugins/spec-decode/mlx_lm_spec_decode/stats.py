@@ -51,18 +51,16 @@ class SpecStats:
 
 
 def start(stats):
-    """Record ``stats`` as this thread's latest request (and hand it to a sink)."""
+    """Record ``stats`` as this thread's latest request, and as the current
+    request's figures for the host (``usage``, ``--verbose``)."""
+    from mlx_lm_ext import host
+
     _local.last = stats
-    sink = getattr(_local, "sink", None)
-    if sink is not None:
-        sink(stats)
+    info = host.request_info()
+    if info is not None:
+        info["spec-decode"] = stats
 
 
 def last():
     """The stats of the latest speculative request on this thread, or None."""
     return getattr(_local, "last", None)
-
-
-def set_sink(fn):
-    """Call ``fn(stats)`` for each request started on this thread (None to stop)."""
-    _local.sink = fn

@@ -7,6 +7,7 @@ import sys
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+from mlx_lm_ext import host
 
 
 def split(model):
@@ -57,7 +58,6 @@ def split(model):
 EXPLICIT_MAX_QUERIES = 16
 POLICIES = ("auto", "fused", "explicit", "padded")
 AUTO_CUDA = "padded"
-_ATTN_MODULES = {}
 
 
 def attention_policy():
@@ -124,17 +124,6 @@ def padded_attention(queries, cache, scale, masks):
     return out[:, :, :n] if rows > n else out
 
 
-def _attention_modules(model):
-    """The mlx-lm model modules of ``model`` that call ``scaled_dot_product_attention``."""
-    key = (id(model), type(model))
-    if key not in _ATTN_MODULES:
-        names = {type(m).__module__ for m in model.modules()} | {type(model).__module__}
-        mods = [sys.modules[n] for n in sorted(names)
-                if n in sys.modules and callable(getattr(sys.modules[n], "scaled_dot_product_attention", None))]
-        _ATTN_MODULES[key] = mods
-    return _ATTN_MODULES[key]
-
-
 @contextlib.contextmanager
 def verify_attention(model, width, policy=None):
     """Within the block, the model's attention over ``width`` queries (2..16)
@@ -145,8 +134,6 @@ def verify_attention(model, width, policy=None):
     if width < 2 or width > EXPLICIT_MAX_QUERIES or policy == "fused":
         yield
         return
-    mods = _attention_modules(model)
-    saved = [m.scaled_dot_product_attention for m in mods]
     masks = {}  # one padding mask per forward, shared by its layers
 
     def patched(orig):
@@ -160,10 +147,6 @@ def verify_attention(model, width, policy=None):
             return explicit_attention(queries, keys, values, scale, mask)
         return sdpa
 
-    try:
-        for m, orig in zip(mods, saved):
-            m.scaled_dot_product_attention = patched(orig)
+    # The host swaps the function through its patch ledger for this forward only.
+    with host.override_attention(model, patched):
         yield
-    finally:
-        for m, orig in zip(mods, saved):
-            m.scaled_dot_product_attention = orig

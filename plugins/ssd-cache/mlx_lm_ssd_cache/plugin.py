@@ -1,9 +1,7 @@
 """The ssd-cache plugin's hooks (entry point ``ssd-cache``)."""
 
-import functools
 import logging
 import re
-import sys
 import weakref
 from pathlib import Path
 
@@ -12,8 +10,6 @@ from mlx_lm_ext import PluginError, hookimpl
 DEFAULT_BYTES = "8G"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
-_config = {}  # validated options of the active command
-_undo = []
 # The server's model key -> weak references to the loaded model and mlx-lm
 # draft model: restores are checked against the caches these make.
 _live = {}
@@ -113,9 +109,7 @@ def activate(command, args):
             "every rank would have to make the same restore decisions"
         )
     _claim(directory)
-    _config.update(directory=directory, max_bytes=cap, verify=verify)
-    if command == "server":
-        _patch_log_line()
+    return {"directory": directory, "max_bytes": cap, "verify": verify}
 
 
 def _claim(directory):
@@ -136,9 +130,6 @@ def deactivate():
     from . import disk
 
     disk.flush_all(timeout=60)
-    while _undo:
-        _undo.pop()()
-    _config.clear()
     _live.clear()
 
 
@@ -168,14 +159,10 @@ def _extra_classes():
 
 
 @hookimpl
-def make_prompt_cache(args, max_size, max_bytes):
+def make_prompt_cache(args, options, max_size, max_bytes):
     from .cache import SSDPromptCache
 
-    directory, cap, verify = (
-        (_config["directory"], _config["max_bytes"], _config["verify"])
-        if _config
-        else options(args)
-    )
+    directory, cap, verify = options["directory"], options["max_bytes"], options["verify"]
     settings = {
         k: getattr(args, k, None)
         for k in ("kv_bits", "kv_group_size", "quantized_kv_start")
@@ -210,28 +197,17 @@ def doctor():
     return [("default dir", f"{directory} ({n} entries, {nbytes / 1e9:.2f} GB)")]
 
 
-def _patch_log_line():
-    """Add the disk tier to the server's "Prompt Cache: ..." log lines."""
-    server = sys.modules.get("mlx_lm.server")
-    if server is None or getattr(server.ResponseGenerator._log_cache_stats, "_ssd", False):
-        return
-    original = server.ResponseGenerator._log_cache_stats
-
-    @functools.wraps(original)
-    def _log_cache_stats(self):
-        original(self)
-        stats = getattr(self.prompt_cache, "disk_stats", None)
-        if not callable(stats):
-            return
-        s = stats()
-        avg = s["restore_s"] / s["hits"] if s["hits"] else 0.0
-        logging.info(
-            f"- disk: {s['entries']} entries, {s['bytes'] / 1e9:.2f} GB, "
-            f"{s['hits']} hits / {s['lookups']} lookups, "
-            f"{s['restored_tokens']} tokens restored in {s['restore_s']:.2f} s "
-            f"(avg {avg:.3f} s), {s['pending']} writes pending"
-        )
-
-    _log_cache_stats._ssd = True
-    server.ResponseGenerator._log_cache_stats = _log_cache_stats
-    _undo.append(lambda: setattr(server.ResponseGenerator, "_log_cache_stats", original))
+@hookimpl
+def report_lines(command, source):
+    """The disk tier's line under the server's "Prompt Cache: ..." log lines."""
+    stats = getattr(source, "disk_stats", None)
+    if command != "server" or not callable(stats):
+        return None
+    s = stats()
+    avg = s["restore_s"] / s["hits"] if s["hits"] else 0.0
+    return [
+        f"- disk: {s['entries']} entries, {s['bytes'] / 1e9:.2f} GB, "
+        f"{s['hits']} hits / {s['lookups']} lookups, "
+        f"{s['restored_tokens']} tokens restored in {s['restore_s']:.2f} s "
+        f"(avg {avg:.3f} s), {s['pending']} writes pending"
+    ]

@@ -19,16 +19,17 @@ from mlx_lm_ssd_cache import fileformat
 _write = fileformat.write
 
 
-def write(tmp_path, snap, meta, pace=None):
+def write(tmp_path, snap, meta, pace=None, dir_fd=None):
     hang = os.environ.get("SSD_TEST_HANG_IF")
     if hang and os.path.exists(hang):
-        with open(tmp_path, "xb") as f:
+        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
+        with os.fdopen(fd, "wb") as f:
             f.write(b"\0" * 4096)
             f.flush()
         open(hang + ".hit", "w").close()
         time.sleep(3600)
     time.sleep(float(os.environ.get("SSD_TEST_WRITE_DELAY", "0")))
-    return _write(tmp_path, snap, meta, pace)
+    return _write(tmp_path, snap, meta, pace, dir_fd=dir_fd)
 
 
 fileformat.write = write

@@ -65,33 +65,22 @@ def test_refuses_distributed(monkeypatch):
         plugin.activate("server", parsed())
 
 
-def test_log_line_patch_and_undo(tmp_path, caplog):
-    import mlx_lm.server as server
-
-    stock = server.ResponseGenerator._log_cache_stats
-    plugin.activate("server", parsed("--ssd-cache-dir", str(tmp_path)))
-    try:
-        assert server.ResponseGenerator._log_cache_stats is not stock
-
-        class Fake:
-            prompt_cache = SSDPromptCache(10, directory=tmp_path)
-
-        with caplog.at_level(logging.INFO):
-            server.ResponseGenerator._log_cache_stats(Fake())
-        assert "- disk: 0 entries, 0.00 GB, 0 hits / 0 lookups" in caplog.text
-        assert "Prompt Cache: 0 sequences" in caplog.text
-    finally:
-        plugin.deactivate()
-    assert server.ResponseGenerator._log_cache_stats is stock
+def test_report_line_of_the_disk_tier(tmp_path):
+    cache = SSDPromptCache(10, directory=tmp_path)
+    (line,) = plugin.report_lines("server", cache)
+    assert line.startswith("- disk: 0 entries, 0.00 GB, 0 hits / 0 lookups")
+    assert plugin.report_lines("server", object()) is None
+    assert plugin.report_lines("generate", cache) is None
+    cache.close()
 
 
 def test_make_prompt_cache_uses_flags(tmp_path, tiny_model):
     path = tiny_model("llama")
     args = parsed("--model", str(path), "--ssd-cache-dir", str(tmp_path),
                   "--ssd-cache-bytes", "1G", "--ssd-cache-verify", "--kv-bits", "8")
-    plugin.activate("server", args)
+    opts = plugin.activate("server", args)
     try:
-        cache = plugin.make_prompt_cache(args, 7, 1 << 63)
+        cache = plugin.make_prompt_cache(args, opts, 7, 1 << 63)
     finally:
         plugin.deactivate()
     assert isinstance(cache, SSDPromptCache) and cache.max_size == 7

@@ -133,6 +133,7 @@ def test_crafted_entries_never_stop_the_server(servers, model, tmp_path):
         if round_ == 0:
             assert restored(r0) and text(r0) == warm  # the valid entry beside them
         assert "generation thread died" not in s2.text()
+        assert "- disk: " in s2.text()  # the tier's line under mlx-lm's cache log
         s2.stop()
     assert bad1.with_name(bad1.name + ".rejected").exists()
     assert bad2.with_name(bad2.name + ".rejected").exists()
@@ -173,7 +174,8 @@ def test_stored_and_restored_with_spec_decode_on(servers, model, tmp_path):
     s2 = servers(model, d, tmp_path / "2.log", extra=both).wait_ready()
     again = s2.chat(PROMPTS[0], max_tokens=16)
     assert restored(again) and text(again) == text(first)
-    assert "speculative_decoding" in again["usage"]
+    assert "speculative_decoding" in again["usage"]  # the plugin's usage fields
+    assert again["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] >= 0
     s2.stop()
     plain = servers(model, d, tmp_path / "3.log").wait_ready()  # without the drafter
     r = plain.chat(PROMPTS[0], max_tokens=16)

@@ -1,0 +1,70 @@
+"""What the host offers plugins while mlx-lm runs (they never patch mlx-lm).
+
+* ``request_info()``: a dict for the request being generated on this
+  thread (the server's generation thread, or a ``mlx_lm.generate`` call).
+  A plugin records its per-request figures there; the host hands the dict
+  to the plugins' ``usage_fields`` and ``report_lines`` hooks.
+* ``override_attention(model, make)``: for the length of a ``with`` block,
+  the attention function of ``model``'s modules is ``make(original)``
+  (through the patch ledger, undone on exit).
+"""
+
+import contextlib
+import sys
+import threading
+from typing import Any, Callable, Dict, Iterator, Optional
+
+from . import patching
+
+_local = threading.local()
+
+
+def request_info() -> Optional[Dict[str, Any]]:
+    """The current request's dict on this thread, or None outside a request."""
+    return getattr(_local, "info", None)
+
+
+@contextlib.contextmanager
+def serving(info: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
+    """Make ``info`` the current request's dict for the block (host side)."""
+    previous = getattr(_local, "info", None)
+    _local.info = info
+    try:
+        yield info
+    finally:
+        _local.info = previous
+
+
+def last_request() -> Optional[Dict[str, Any]]:
+    """The dict of the latest request this thread finished serving."""
+    return getattr(_local, "last", None)
+
+
+def finished(info: Dict[str, Any]) -> None:
+    _local.last = info
+
+
+_attention_modules: Dict[type, list] = {}
+
+
+def _modules_of(model) -> list:
+    """Modules defining ``scaled_dot_product_attention`` that ``model``'s layers use."""
+    key = type(model)
+    if key not in _attention_modules:
+        names = {type(m).__module__ for m in model.modules()} | {type(model).__module__}
+        _attention_modules[key] = [
+            sys.modules[n] for n in sorted(names)
+            if n in sys.modules
+            and callable(getattr(sys.modules[n], "scaled_dot_product_attention", None))
+        ]
+    return _attention_modules[key]
+
+
+@contextlib.contextmanager
+def override_attention(model, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Run ``model``'s attention as ``make(original)`` inside the block."""
+    mods = _modules_of(model)
+    items = [(m, "scaled_dot_product_attention", make(m.scaled_dot_product_attention))
+             for m in mods]
+    with patching.scoped("attention", items):
+        yield
