@@ -36,6 +36,7 @@ import importlib
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -46,9 +47,13 @@ from mlx_lm import load, stream_generate
 
 import mlx_lm_spec_decode as sd
 from mlx_lm_spec_decode import assistant
-from mlx_lm_spec_decode.assistant_train import Target
+from mlx_lm_spec_decode.training.distill import Target
 
 from bench_spec_decode import passage, stdlib_function  # the same grounded prompts
+
+# The loop's drafts, recorded: test instrumentation, kept with the plugin's tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "spec-decode" / "tests"))
+from assistant_recording import RecordingDrafter  # noqa: E402
 
 
 def prompts():
@@ -130,7 +135,7 @@ def summary(rows, methods):
 
 def graph_check(model, made, path, prompt, max_tokens, k):
     """Decode drafting every round; recompute each drafted state with the training graph."""
-    rec = assistant.RecordingDrafter(made, max_draft=k, adaptive=False, auto_off=False)
+    rec = RecordingDrafter(made, max_draft=k, adaptive=False, auto_off=False)
     out = [t for t, _, _ in sd.speculative_generate_step(mx.array(prompt), model, rec, num_draft_tokens=k,
                                                          max_tokens=max_tokens)]
     st = sd.last_stats()

@@ -45,10 +45,13 @@ Class attributes: ``name`` (shown in stats), ``max_draft`` (upper bound for
 the adaptive draft length), ``needs_hidden``, ``adaptive`` and ``auto_off``
 (the loop's draft-length adaptation and measured switch-off, both on by
 default).
+
+``DrafterProtocol`` states this contract for type checkers; ``Drafter`` is a
+base class that meets it by proposing nothing, to subclass.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Protocol, runtime_checkable
 
 
 @dataclass
@@ -64,6 +67,31 @@ class DraftContext:
     state: dict = field(default_factory=dict)
 
 
+@runtime_checkable
+class DrafterProtocol(Protocol):
+    """What the verify loop asks of a drafter (see the module docstring)."""
+
+    name: str
+    max_draft: int
+    needs_hidden: bool
+    adaptive: bool
+    auto_off: bool
+
+    def make_cache(self) -> List[Any]: ...
+
+    def cache_ok(self, caches: List[Any]) -> bool: ...
+
+    def prefill(self, ctx: DraftContext, tokens: List[int]) -> None: ...
+
+    def draft(self, ctx: DraftContext, n: int) -> "tuple[Any, Optional[Any]]": ...
+
+    def accept(self, ctx: DraftContext, tokens: List[int], n_drafted: int) -> None: ...
+
+    def trim(self, ctx: DraftContext, n: int) -> None: ...
+
+    def flush(self, ctx: DraftContext) -> None: ...
+
+
 class Drafter:
     """Base class: a stateless drafter that never proposes anything."""
 
@@ -76,20 +104,20 @@ class Drafter:
     def make_cache(self) -> List[Any]:
         return []
 
-    def cache_ok(self, caches) -> bool:
+    def cache_ok(self, caches: List[Any]) -> bool:
         return len(caches) == len(self.make_cache())
 
-    def prefill(self, ctx, tokens):
+    def prefill(self, ctx: DraftContext, tokens: List[int]) -> None:
         pass
 
-    def draft(self, ctx, n):
+    def draft(self, ctx: DraftContext, n: int) -> "tuple[Any, Optional[Any]]":
         return [], None
 
-    def accept(self, ctx, tokens, n_drafted):
+    def accept(self, ctx: DraftContext, tokens: List[int], n_drafted: int) -> None:
         pass
 
-    def trim(self, ctx, n):
+    def trim(self, ctx: DraftContext, n: int) -> None:
         pass
 
-    def flush(self, ctx):
+    def flush(self, ctx: DraftContext) -> None:
         pass

@@ -17,14 +17,21 @@ Differences from mlx-lm's loop, each on purpose:
 - Missing or foreign drafter caches in a restored prompt cache are rebuilt in
   place (the caller's list gets them), not an ``IndexError``.
 - γ adapts to the running acceptance, and drafting is switched off (with
-  doubling back-off) while it measures slower than plain decoding.
+  doubling back-off) while it measures slower than plain decoding
+  (``controller``).
+
+One request is one ``VerifyLoop``: ``prefill`` (the prompt into the target's
+cache), ``rounds`` (draft and verify, or plain steps), ``settle`` (caches
+left holding exactly what was yielded, whatever stopped the consumer).
 """
+
 
 import logging
 import time
-from collections import deque
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
@@ -32,20 +39,24 @@ from mlx_lm.sample_utils import greedy_sampler
 from . import sampling
 from . import stats as stats_mod
 from . import target as target_mod
-from .drafter import DraftContext
+from .controller import Controller
+from .drafter import DraftContext, DrafterProtocol
 
 log = logging.getLogger("mlx_lm_spec_decode")
+
+Step = tuple[int, mx.array, bool]  # (token, logprobs [V], from_draft)
+
 
 # Drafting rounds in a row with nothing proposed before plain steps come in
 # pipelined runs: a copy's short gaps (a renamed word) stay single steps.
 MISS_RUN = 4
 
 
-def n_target_caches(model):
+def n_target_caches(model: nn.Module) -> int:
     return len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
 
 
-def window_room(caches):
+def window_room(caches: list[Any]) -> int:
     """How many tokens a forward may add and still be rolled back exactly."""
     room = 1 << 30
     for c in caches:
@@ -65,130 +76,6 @@ def _offset(caches):
     return None
 
 
-class Controller:
-    """Adaptive draft length and the measured on/off switch."""
-
-    WINDOW = 16  # recent drafting rounds compared against plain steps
-    MIN_ROUNDS = 4  # drafting rounds measured before the first decision
-    RETRY_ROUNDS = 3  # ... and after each retry
-    SLACK = 1.03  # drafting must be at least this much slower to switch off
-    BACKOFF = 32  # tokens decoded plainly before drafting is tried again
-    # A draft step costing this fraction of a plain target step or more cannot
-    # pay off: a verify over 2+ tokens already costs more than one step.
-    DRAFT_COST = 0.8
-    # The verify side of the same question: where a forward over w tokens
-    # costs nearly w plain steps (MLX's CPU kernel for quantized weights),
-    # even a drafter that is right this often gains nothing, so drafting
-    # stays off for the request instead of retrying after each back-off.
-    BEST_ACCEPT = 0.9
-    VERIFY_SAMPLES = 2  # verify rounds timed before this is judged
-
-    def __init__(self, gamma, gmax, adaptive=True, auto_off=True):
-        self.gmax = max(1, gmax)
-        self.gamma = max(1, min(gamma, self.gmax))
-        self.adaptive, self.auto_off = adaptive, auto_off
-        self.spec = deque(maxlen=self.WINDOW)  # (seconds, tokens)
-        self.verify = deque(maxlen=8)  # (window width, seconds of the verify forward)
-        self.plain = deque(maxlen=5)  # seconds per plain step
-        # Time two plain steps first: every decision compares against them.
-        self.probe = 2 if auto_off else 0
-        self.draft_step = None  # seconds per draft token, when measurable
-        self.timed = 0  # drafting rounds whose draft was timed on its own
-        self.rounds = 0
-        self.backoff = self.BACKOFF
-        self.off_for = 0
-        self.switched_off = False
-        self.need = self.MIN_ROUNDS
-
-    def want(self):
-        if self.probe > 0:
-            self.probe -= 1
-            return 0
-        if self.auto_off and self.draft_step is None and self.timed == 0:
-            return 1  # the first timed draft: one step tells its cost
-        return self.gamma
-
-    def time_draft(self):
-        """Whether to evaluate this round's (lazy) drafts on their own, to time them."""
-        return self.auto_off and self.timed < 2
-
-    def free_drafts(self):
-        """The drafter computes nothing on the device (n-gram lookup)."""
-        self.timed = 2
-
-    def drafted(self, k, seconds):
-        self.timed += 1
-        self.draft_step = seconds / k
-
-    def _switch_off(self, for_good=False):
-        # Too costly a drafter stays off (the machine will not change within
-        # a request); too little acceptance is retried after a back-off.
-        self.off_for = (1 << 30) if for_good else self.backoff
-        self.backoff *= 2
-        self.switched_off = True
-        self.spec.clear()
-        self.need = self.RETRY_ROUNDS
-        self.timed = min(self.timed, 1)  # time one more draft on retry
-        self.probe = 1
-
-    def best_gain(self, accept):
-        """Best tokens/s of drafting relative to plain decoding, over draft
-        lengths 1..gmax, if each draft token is right with probability
-        ``accept``; ``None`` until enough steps are timed.
-
-        The cost of a verify over w tokens is modelled as ``a + b * w`` plain
-        seconds, with b the cheapest marginal cost seen (other processes only
-        ever make a forward slower, so the fastest samples are the truest).
-        """
-        if len(self.plain) < 2 or len([w for w, _ in self.verify if w > 1]) < self.VERIFY_SAMPLES:
-            return None
-        p = min(self.plain)
-        b = max(0.0, min((t - p) / (w - 1) for w, t in self.verify if w > 1))
-        a = p - b
-        d = self.draft_step or 0.0
-        best = 0.0
-        for g in range(1, self.gmax + 1):
-            tokens = (1 - accept ** (g + 1)) / (1 - accept)
-            best = max(best, tokens * p / (a + b * (g + 1) + d * g))
-        return best
-
-    def verify_cannot_pay(self):
-        gain = self.best_gain(self.BEST_ACCEPT)
-        return gain is not None and gain < self.SLACK
-
-    def update(self, k, a, dt):
-        if k == 0:
-            self.plain.append(dt)
-            return
-        self.rounds += 1
-        self.spec.append((dt, a + 1))
-        self.verify.append((k + 1, dt - k * (self.draft_step or 0.0)))
-        if self.adaptive:
-            # No growth before the verify cost is judged: a wide first window
-            # is what costs most where windows are not cheap.
-            grow = 2 if not self.auto_off or self.best_gain(self.BEST_ACCEPT) is not None else 0
-            self.gamma = min(self.gamma + grow, self.gmax) if a == k else max(1, self.gamma - 1)
-        if not self.auto_off:
-            return
-        # Measure a plain step now and then: a draft model never yields one,
-        # and other processes on the machine change both figures over time.
-        if self.rounds == 2:
-            self.probe = 2
-        elif self.rounds % 12 == 0:
-            self.probe = 1
-        if not self.plain:
-            return
-        plain = sorted(self.plain)[(len(self.plain) - 1) // 2]
-        if self.draft_step is not None and self.draft_step >= self.DRAFT_COST * plain:
-            self._switch_off(for_good=True)
-        elif self.verify_cannot_pay():
-            self._switch_off(for_good=True)
-        elif len(self.plain) >= 2 and len(self.spec) >= self.need:
-            spec = sum(t for t, _ in self.spec) / sum(n for _, n in self.spec)
-            if spec > plain * self.SLACK:
-                self._switch_off()
-
-
 def speculative_generate_step(
     prompt,
     model,
@@ -206,210 +93,317 @@ def speculative_generate_step(
     quantized_kv_start=5000,
 ):
     """Yield ``(token, logprobs[V], from_draft)`` as mlx-lm's speculative loop does."""
-    tokens = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
-    if not tokens:
-        raise ValueError("speculative decoding needs a non-empty prompt")
-    n_t = n_target_caches(model)
-    if prompt_cache is None:
-        prompt_cache = make_prompt_cache(model) + drafter.make_cache()
-    target_cache = prompt_cache[:n_t]
-    dcache = prompt_cache[n_t:]
-    if not drafter.cache_ok(dcache):
-        if dcache:
-            log.info("spec-decode: drafter caches in the prompt cache do not fit; rebuilt")
-        dcache = drafter.make_cache()
-        prompt_cache[n_t:] = dcache
-    kind, temp, filt = sampling.describe(sampler)
-    sampler = sampler or greedy_sampler
-    split = None
-    if drafter.needs_hidden:
-        split = target_mod.split(model)
-        if split is None:
-            raise ValueError(f"the {drafter.name} drafter needs the target's hidden states, "
-                             f"which this architecture does not expose in mlx-lm's usual layout")
-    attention = target_mod.attention_policy()  # a bad MLX_LM_SPEC_ATTENTION fails here
-    ctx = DraftContext(model, target_cache, dcache, temp=temp or 0.0, filter=filt)
-    ctl = Controller(
-        num_draft_tokens,
-        max(num_draft_tokens, drafter.max_draft),
-        adaptive=getattr(drafter, "adaptive", True),
-        auto_off=getattr(drafter, "auto_off", True),
+    # Built inside the generator: as in mlx-lm, nothing runs before the first next().
+    loop = VerifyLoop(
+        prompt, model, drafter, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens, sampler=sampler,
+        logits_processors=logits_processors, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
     )
-    st = stats_mod.SpecStats(drafter.name, gamma_start=ctl.gamma, gamma=ctl.gamma)
-    stats_mod.start(st)
+    yield from loop.run(stream)
 
-    def quantize(caches):
-        maybe_quantize_kv_cache(caches, quantized_kv_start, kv_group_size, kv_bits)
-        if kv_bits is not None:
-            # The caller's list must see the quantized caches (mlx-lm's own
-            # loop quantizes a slice copy, and the server stores stale ones).
-            prompt_cache[:n_t] = caches
 
-    context = list(tokens) if logits_processors else None
-    match_checked = False
+class VerifyLoop:
+    """One request's decoding: the target, its caches, the drafter and the
+    figures, from the prompt to the last token yielded."""
 
-    def forward(y_and_drafts):
-        x = y_and_drafts[None]
-        with target_mod.verify_attention(model, x.shape[1], attention):
-            if split is None:
-                return model(x, cache=target_cache)[0], None
-            h = split[0](x, target_cache)
-        return split[1](h)[0], h[0]
+    def __init__(self, prompt: Any, model: nn.Module, drafter: DrafterProtocol, *, num_draft_tokens: int,
+                 max_tokens: int, sampler: Optional[Callable], logits_processors: Optional[list[Callable]],
+                 prompt_cache: Optional[list[Any]], prefill_step_size: int, kv_bits: Optional[int],
+                 kv_group_size: int, quantized_kv_start: int):
+        tokens = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+        if not tokens:
+            raise ValueError("speculative decoding needs a non-empty prompt")
+        self.tokens, self.model, self.drafter = tokens, model, drafter
+        self.max_tokens, self.prefill_step_size = max_tokens, prefill_step_size
+        self.kv_bits, self.kv_group_size, self.quantized_kv_start = kv_bits, kv_group_size, quantized_kv_start
+        self.n_t = n_target_caches(model)
+        if prompt_cache is None:
+            prompt_cache = make_prompt_cache(model) + drafter.make_cache()
+        self.prompt_cache = prompt_cache
+        self.target_cache = prompt_cache[: self.n_t]
+        dcache = self._drafter_caches()
+        self.kind, self.temp, self.filt = sampling.describe(sampler)
+        self.sampler = sampler or greedy_sampler
+        self.logits_processors = logits_processors
+        self.split = self._split()
+        self.attention = target_mod.attention_policy()  # a bad MLX_LM_SPEC_ATTENTION fails here
+        self.ctx = DraftContext(model, self.target_cache, dcache, temp=self.temp or 0.0, filter=self.filt)
+        self.ctl = Controller(
+            num_draft_tokens,
+            max(num_draft_tokens, drafter.max_draft),
+            adaptive=getattr(drafter, "adaptive", True),
+            auto_off=getattr(drafter, "auto_off", True),
+        )
+        self.st = stats_mod.SpecStats(drafter.name, gamma_start=self.ctl.gamma, gamma=self.ctl.gamma)
+        stats_mod.start(self.st)
+        # The token history for logits processors (only when there are some).
+        self.context = list(tokens) if logits_processors else None
+        self.match_checked = False  # a custom sampler is checked once, on the first verify
+        self.emitted = 0  # tokens yielded
+        self.told = 0  # tokens the drafter was told of (more than yielded if the consumer stops early)
+        self.y = tokens[-1]  # the pending token: emitted (or the prompt's last), not yet fed to the target
+        self.warned = False
+        self.misses = 0  # drafting rounds in a row with nothing proposed
+        self.start = _offset(self.target_cache)
 
-    def step(tok):
-        logits, hidden = forward(mx.array([tok], mx.uint32))
-        quantize(target_cache)
-        lp = _logprobs(logits, logits_processors, context, None)[0]
-        return sampler(lp[None]).reshape(-1), lp, hidden
+    def _drafter_caches(self):
+        """The drafter's caches from the prompt cache, rebuilt in place
+        (the caller's list gets them) if missing or not the drafter's."""
+        dcache = self.prompt_cache[self.n_t :]
+        if not self.drafter.cache_ok(dcache):
+            if dcache:
+                log.info("spec-decode: drafter caches in the prompt cache do not fit; rebuilt")
+            dcache = self.drafter.make_cache()
+            self.prompt_cache[self.n_t :] = dcache
+        return dcache
 
-    def plain(n, t0=None):
+    def _split(self):
+        """``(backbone, head)`` of the target for a drafter that reads hidden states, else None."""
+        if not self.drafter.needs_hidden:
+            return None
+        split = target_mod.split(self.model)
+        if split is None:
+            raise ValueError(f"the {self.drafter.name} drafter needs the target's hidden states, "
+                             f"which this architecture does not expose in mlx-lm's usual layout")
+        return split
+
+    # ------------------------------------------------------------ the whole
+
+    def run(self, stream: Any) -> Iterator[Step]:
+        with mx.stream(stream):
+            self.prefill()
+            try:
+                yield from self.rounds()
+            finally:
+                self.settle()
+                self.st.gamma = self.ctl.gamma
+                log.info(self.st.line())
+
+    def prefill(self) -> None:
+        """All prompt tokens but the last into the target's cache; the last
+        one is pending, fed with the first drafts."""
+        tokens, ctx = self.tokens, self.ctx
+        for s in range(0, len(tokens) - 1, self.prefill_step_size):
+            chunk = mx.array(tokens[s : min(s + self.prefill_step_size, len(tokens) - 1)], mx.uint32)[None]
+            if self.split is None:
+                self.model(chunk, cache=self.target_cache)
+            else:
+                # A drafter reading hidden states gets the state at the last
+                # prompt position (the one that predicts the pending token),
+                # so it drafts from the first step; nobody reads the prompt's
+                # logits, so the lm-head is skipped.
+                ctx.hidden = self.split[0](chunk, self.target_cache)[0, -1:]
+            self.quantize()
+            mx.eval([c.state for c in self.target_cache] + ([ctx.hidden] if ctx.hidden is not None else []))
+        self.drafter.prefill(ctx, tokens)
+
+    def rounds(self) -> Iterator[Step]:
+        """Rounds until ``max_tokens`` (or the consumer) stops them: a
+        drafting round where the caches can be rolled back and drafting
+        pays, plain steps where not."""
+        while self.max_tokens < 0 or self.emitted < self.max_tokens:
+            remaining = self.max_tokens - self.emitted if self.max_tokens >= 0 else 1 << 30
+            room = window_room(self.target_cache)
+            if room < 2:
+                self._fall_back(room)
+                yield from self.plain(remaining)
+                break
+            if self.ctl.off_for > 0:
+                self.st.auto_off = True
+                n = min(self.ctl.off_for, remaining)
+                self.ctl.off_for = 0
+                yield from self.plain(n)
+                continue
+            yield from self.round(remaining, room)
+
+    def settle(self) -> None:
+        """Leave target and drafter caches holding exactly prompt + yielded tokens."""
+        actual = _offset(self.target_cache)
+        if self.start is not None and actual is not None:
+            extra = actual - (self.start + len(self.tokens) + self.emitted)
+            if extra > 0:
+                trim_prompt_cache(self.target_cache, extra)
+            elif extra == -1:
+                # The last yielded token came from the target and was never fed.
+                self.model(mx.array([[self.y]], mx.uint32), cache=self.target_cache)
+                self.quantize()
+                mx.eval([c.state for c in self.target_cache])
+            elif extra < -1:
+                log.warning(f"spec-decode: target cache is {-extra} tokens short of the sequence")
+        if self.told > self.emitted:
+            self.drafter.trim(self.ctx, self.told - self.emitted)
+        self.drafter.flush(self.ctx)
+
+    # ------------------------------------------------------- one round
+
+    def round(self, remaining: int, room: int) -> Iterator[Step]:
+        """Draft up to γ tokens, verify them in one target forward, keep the
+        accepted prefix and the target's own next token."""
+        k_req = min(self.ctl.want(), self._draft_limit(remaining, room))
+        t0 = time.perf_counter()
+        if k_req <= 0:
+            yield from self.plain(1, t0)
+            return
+        drafts, q = self._draft(k_req, t0)
+        k = drafts.size
+        if k == 0:
+            yield from self._nothing_drafted(remaining, t0)
+            return
+        self.misses = 0
+        lp, hidden, a, target_tok = self._verify(drafts, q)
+        d = drafts.tolist()
+        dt = time.perf_counter() - t0
+        if k - a:
+            trim_prompt_cache(self.target_cache, k - a)
+        out = d[:a] + [target_tok]
+        st = self.st
+        st.forwards += 1
+        st.draft_rounds += 1
+        st.drafted += k
+        st.accepted += a
+        self.ctl.update(k, a, dt)
+        st.gamma = self.ctl.gamma
+        if hidden is not None:
+            self.ctx.hidden = hidden[a : a + 1]
+        self.drafter.accept(self.ctx, out, a)
+        self.told += len(out)
+        if self.context is not None:
+            self.context.extend(out)
+        self.y = target_tok
+        for i, tok in enumerate(out):
+            st.emitted += 1
+            self.emitted += 1
+            yield tok, lp[i], i < a
+
+    def _draft_limit(self, remaining, room):
+        """Most tokens a round may draft: within ``max_tokens``, the caches'
+        rollback room, and short of the switch to a quantized cache."""
+        limit = min(remaining - 1, room - 1)
+        if self.kv_bits is not None and self.start is not None:
+            off = _offset(self.target_cache)
+            if off < self.quantized_kv_start:
+                # Never straddle the switch to a quantized cache: plain
+                # decoding quantizes right at quantized_kv_start.
+                limit = min(limit, self.quantized_kv_start - off - 1)
+        return limit
+
+    def _draft(self, k_req, t0):
+        """The drafter's proposal as an array, and its probabilities (or None)."""
+        drafts, q = self.drafter.draft(self.ctx, k_req)
+        if not isinstance(drafts, mx.array):
+            self.ctl.free_drafts()
+            drafts = mx.array(drafts, mx.uint32)
+        elif drafts.size and self.ctl.time_draft():
+            # A drafter that computes (a draft model): time its steps.
+            mx.eval(drafts)
+            self.ctl.drafted(drafts.size, time.perf_counter() - t0)
+        return drafts, q
+
+    def _nothing_drafted(self, remaining, t0):
+        # Nothing to propose: one plain step, and after a few in a row (open
+        # text, not the short gaps of a copy) a pipelined run that doubles
+        # (2, 4, 8 tokens), so open text costs what mlx-lm's loop costs. (A
+        # drafter reading hidden states is asked every step.)
+        self.misses = 0 if self.drafter.needs_hidden else self.misses + 1
+        run = 1 if self.misses <= MISS_RUN else 1 << min(self.misses - MISS_RUN, 3)
+        yield from self.plain(min(run, remaining), t0)
+
+    def _verify(self, drafts, q):
+        """One target forward over ``[y, drafts]``: the logprobs rows, the
+        hidden states (or None), the accepted count and the target's token."""
+        k = drafts.size
+        window = mx.concatenate([mx.array([self.y], mx.uint32), drafts.astype(mx.uint32)])
+        logits, hidden = self.forward(window)
+        self.quantize()
+        lp = _logprobs(logits, self.logits_processors, self.context, drafts)
+        if self.kind == "explicit":
+            keep, res, bonus = sampling.verify_explicit(lp, drafts, q, self.temp, self.filt)
+            mx.eval(keep, res, bonus, drafts)
+            keep = keep.tolist()
+            a = keep.index(False) if False in keep else k
+            target_tok = res.tolist()[a] if a < k else bonus.item()
+            return lp, hidden, a, target_tok
+        if self.kind == "greedy":
+            t = sampling.verify_greedy(lp, drafts)
+        else:
+            t = _match(lp, self.sampler, self.match_checked)
+        self.match_checked = True
+        # The logprobs rows stay lazy: only a consumer that reads them pays.
+        mx.eval(t, drafts)
+        t = t.tolist()
+        d = drafts.tolist()
+        a = 0
+        while a < k and t[a] == d[a]:
+            a += 1
+        return lp, hidden, a, t[a]
+
+    def _fall_back(self, room):
+        """Warn once that the caches cannot be rolled back, and why."""
+        if self.warned:
+            return
+        kinds = ", ".join(sorted({type(c).__name__ for c in self.target_cache}))
+        reason = f"the prompt cache cannot be rolled back ({kinds}{', past its window' if room == 1 else ''})"
+        log.warning(f"spec-decode: plain decoding for the rest of this request: {reason}")
+        self.st.fallback = reason
+        self.warned = True
+
+    # ------------------------------------------------------ plain steps
+
+    def plain(self, n: int, t0: Optional[float] = None) -> Iterator[Step]:
         """Plain decoding of n tokens, pipelined as mlx-lm's generate_step.
 
         Each token is fed before it is yielded, except the last one, which
-        stays pending in ``y`` (as after a verify round)."""
-        nonlocal y
-        nxt = step(y)
+        stays pending in ``y`` (as after a verify round). With ``t0``, each
+        step is timed for the controller."""
+        nxt = self.step(self.y)
         mx.async_eval(nxt[:2])
         for i in range(n):
             tok_arr, lp, hidden = nxt
             tok = tok_arr.item()
             if t0 is not None:
                 now = time.perf_counter()
-                ctl.update(0, 0, now - t0)
+                self.ctl.update(0, 0, now - t0)
                 t0 = now
-            if context is not None:
-                context.append(tok)
+            if self.context is not None:
+                self.context.append(tok)
             if hidden is not None:
-                ctx.hidden = hidden[-1:]
+                self.ctx.hidden = hidden[-1:]
             if i + 1 < n:
-                nxt = step(tok)
+                nxt = self.step(tok)
                 mx.async_eval(nxt[:2])
-            st.forwards += 1
-            st.emitted += 1
-            counts["emitted"] += 1
-            counts["told"] += 1
-            y = tok
-            drafter.accept(ctx, [tok], 0)
+            self.st.forwards += 1
+            self.st.emitted += 1
+            self.emitted += 1
+            self.told += 1
+            self.y = tok
+            self.drafter.accept(self.ctx, [tok], 0)
             yield tok, lp, False
 
-    counts = {"emitted": 0, "told": 0}
-    warned = False
-    misses = 0  # drafting rounds in a row with nothing proposed
-    start = _offset(target_cache)
-    with mx.stream(stream):
-        for s in range(0, len(tokens) - 1, prefill_step_size):
-            chunk = mx.array(tokens[s : min(s + prefill_step_size, len(tokens) - 1)], mx.uint32)[None]
-            if split is None:
-                model(chunk, cache=target_cache)
-            else:
-                # A drafter reading hidden states gets the state at the last
-                # prompt position (the one that predicts the pending token),
-                # so it drafts from the first step; nobody reads the prompt's
-                # logits, so the lm-head is skipped.
-                ctx.hidden = split[0](chunk, target_cache)[0, -1:]
-            quantize(target_cache)
-            mx.eval([c.state for c in target_cache] + ([ctx.hidden] if ctx.hidden is not None else []))
-        drafter.prefill(ctx, tokens)
-        y = tokens[-1]
-        try:
-            while max_tokens < 0 or counts["emitted"] < max_tokens:
-                remaining = max_tokens - counts["emitted"] if max_tokens >= 0 else 1 << 30
-                room = window_room(target_cache)
-                if room < 2:
-                    if not warned:
-                        reason = ("the prompt cache cannot be rolled back "
-                                  f"({', '.join(sorted({type(c).__name__ for c in target_cache}))}"
-                                  f"{', past its window' if room == 1 else ''})")
-                        log.warning(f"spec-decode: plain decoding for the rest of this request: {reason}")
-                        st.fallback = reason
-                        warned = True
-                    yield from plain(remaining)
-                    break
-                if ctl.off_for > 0:
-                    st.auto_off = True
-                    n = min(ctl.off_for, remaining)
-                    ctl.off_for = 0
-                    yield from plain(n)
-                    continue
-                limit = min(remaining - 1, room - 1)
-                if kv_bits is not None and start is not None:
-                    off = _offset(target_cache)
-                    if off < quantized_kv_start:
-                        # Never straddle the switch to a quantized cache: plain
-                        # decoding quantizes right at quantized_kv_start.
-                        limit = min(limit, quantized_kv_start - off - 1)
-                k_req = min(ctl.want(), limit)
-                t0 = time.perf_counter()
-                if k_req <= 0:
-                    yield from plain(1, t0)
-                    continue
-                drafts, q = drafter.draft(ctx, k_req)
-                if not isinstance(drafts, mx.array):
-                    ctl.free_drafts()
-                    drafts = mx.array(drafts, mx.uint32)
-                elif drafts.size and ctl.time_draft():
-                    # A drafter that computes (a draft model): time its steps.
-                    mx.eval(drafts)
-                    ctl.drafted(drafts.size, time.perf_counter() - t0)
-                k = drafts.size
-                if k == 0:
-                    # Nothing to propose: one plain step, and after a few in
-                    # a row (open text, not the short gaps of a copy) a
-                    # pipelined run that doubles (2, 4, 8 tokens), so open
-                    # text costs what mlx-lm's loop costs. (A drafter reading
-                    # hidden states is asked every step.)
-                    misses = 0 if drafter.needs_hidden else misses + 1
-                    run = 1 if misses <= MISS_RUN else 1 << min(misses - MISS_RUN, 3)
-                    yield from plain(min(run, remaining), t0)
-                    continue
-                misses = 0
-                window = mx.concatenate([mx.array([y], mx.uint32), drafts.astype(mx.uint32)])
-                logits, hidden = forward(window)
-                quantize(target_cache)
-                lp = _logprobs(logits, logits_processors, context, drafts)
-                if kind == "explicit":
-                    keep, res, bonus = sampling.verify_explicit(lp, drafts, q, temp, filt)
-                    mx.eval(keep, res, bonus, drafts)
-                    keep = keep.tolist()
-                    a = keep.index(False) if False in keep else k
-                    target_tok = res.tolist()[a] if a < k else bonus.item()
-                else:
-                    t = sampling.verify_greedy(lp, drafts) if kind == "greedy" else _match(lp, sampler, match_checked)
-                    match_checked = True
-                    # The logprobs rows stay lazy: only a consumer that reads them pays.
-                    mx.eval(t, drafts)
-                    t = t.tolist()
-                    d = drafts.tolist()
-                    a = 0
-                    while a < k and t[a] == d[a]:
-                        a += 1
-                    target_tok = t[a]
-                d = drafts.tolist()
-                dt = time.perf_counter() - t0
-                if k - a:
-                    trim_prompt_cache(target_cache, k - a)
-                out = d[:a] + [target_tok]
-                st.forwards += 1
-                st.draft_rounds += 1
-                st.drafted += k
-                st.accepted += a
-                ctl.update(k, a, dt)
-                st.gamma = ctl.gamma
-                if hidden is not None:
-                    ctx.hidden = hidden[a : a + 1]
-                drafter.accept(ctx, out, a)
-                counts["told"] += len(out)
-                if context is not None:
-                    context.extend(out)
-                y = target_tok
-                for i, tok in enumerate(out):
-                    st.emitted += 1
-                    counts["emitted"] += 1
-                    yield tok, lp[i], i < a
-        finally:
-            _settle(model, target_cache, drafter, ctx, start, len(tokens), counts, y, quantize)
-            st.gamma = ctl.gamma
-            log.info(st.line())
+    def step(self, tok: int) -> tuple[mx.array, mx.array, Optional[mx.array]]:
+        """The target's next token (lazy), its logprobs and hidden state after ``tok``."""
+        logits, hidden = self.forward(mx.array([tok], mx.uint32))
+        self.quantize()
+        lp = _logprobs(logits, self.logits_processors, self.context, None)[0]
+        return self.sampler(lp[None]).reshape(-1), lp, hidden
+
+    # ----------------------------------------------------- the target
+
+    def forward(self, tokens: mx.array) -> tuple[mx.array, Optional[mx.array]]:
+        """Logits ``[L, V]`` over ``tokens``, and the final hidden states
+        ``[L, D]`` when a drafter reads them (else None)."""
+        x = tokens[None]
+        with target_mod.verify_attention(self.model, x.shape[1], self.attention):
+            if self.split is None:
+                return self.model(x, cache=self.target_cache)[0], None
+            h = self.split[0](x, self.target_cache)
+        return self.split[1](h)[0], h[0]
+
+    def quantize(self) -> None:
+        maybe_quantize_kv_cache(self.target_cache, self.quantized_kv_start, self.kv_group_size, self.kv_bits)
+        if self.kv_bits is not None:
+            # The caller's list must see the quantized caches (mlx-lm's own
+            # loop quantizes a slice copy, and the server stores stale ones).
+            self.prompt_cache[: self.n_t] = self.target_cache
 
 
 def _logprobs(logits, logits_processors, context, drafts):
@@ -431,24 +425,3 @@ def _match(lp, sampler, checked):
     if not checked:
         sampling.check_sampler(sampler, lp.shape[-1])
     return sampling.verify_match(lp, sampler)
-
-
-def _settle(model, target_cache, drafter, ctx, start, n_prompt, counts, y, quantize):
-    """Leave target and drafter caches holding exactly prompt + yielded tokens."""
-    emitted = counts["emitted"]
-    actual = _offset(target_cache)
-    if start is not None and actual is not None:
-        extra = actual - (start + n_prompt + emitted)
-        if extra > 0:
-            trim_prompt_cache(target_cache, extra)
-        elif extra == -1:
-            # The last yielded token came from the target and was never fed.
-            model(mx.array([[y]], mx.uint32), cache=target_cache)
-            quantize(target_cache)
-            mx.eval([c.state for c in target_cache])
-        elif extra < -1:
-            log.warning(f"spec-decode: target cache is {-extra} tokens short of the sequence")
-    told = counts["told"]
-    if told > emitted:
-        drafter.trim(ctx, told - emitted)
-    drafter.flush(ctx)

@@ -170,7 +170,7 @@ def prompt_cache_classes():
 
 @hookimpl
 def add_subcommands(subparsers):
-    from .assistant_train import add_subcommand
+    from .training.cli import add_subcommand
 
     add_subcommand(subparsers)
 
@@ -188,9 +188,9 @@ def _load_tokenizer(path):
 
 
 @hookimpl
-def speculative_generate_step(prompt, model, draft_model, kwargs):
-    if not isinstance(draft_model, Drafter):
-        return None
+def speculative_generate_step(prompt, model, drafter, kwargs):
+    if not isinstance(drafter, Drafter):
+        return None  # mlx-lm's own draft model: mlx-lm's own loop
     from .loop import speculative_generate_step as loop
 
-    return loop(prompt, model, draft_model, **kwargs)
+    return loop(prompt, model, drafter, **kwargs)

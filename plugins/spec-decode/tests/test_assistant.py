@@ -19,7 +19,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm_spec_decode import DraftContext, last_stats, speculative_generate_step
 from mlx_lm_spec_decode import assistant as A
 from mlx_lm_spec_decode import target as target_mod
-from mlx_lm_spec_decode.assistant_train import Target, loss_fn
+from mlx_lm_spec_decode.training.distill import Target, loss_fn
+
+from assistant_recording import RecordingDrafter
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +181,7 @@ def assert_drafts_are_the_training_graph(model, drafter, prompt, n=30, k=3):
     (``Assistant.unrolled`` over the final sequence, as train-drafter runs
     it) at the same row and draft step, for every chain whose earlier
     drafts were accepted. Returns the number of checks per draft step."""
-    rec = A.RecordingDrafter(drafter)
+    rec = RecordingDrafter(drafter)
     out = spec(model, rec, prompt, n, k=k)
     assert out == stock(model, prompt, n)
     seq = prompt.tolist() + out
@@ -423,7 +425,7 @@ def test_plugin_flags(llama, trained, tmp_path):
     args = Namespace(drafter="assistant", drafter_path=str(tmp_path / "a"), ngram_min=2, ngram_max=4,
                      draft_max=None, fixed_draft=False, no_auto_off=False, num_draft_tokens=3)
     plugin._check(args)
-    got = plugin.make_drafter("generate", model, tok, None, args)
+    got = plugin.make_drafter("generate", model, tok, None, args, options=None)
     assert isinstance(got, A.AssistantDrafter) and got.max_draft == 6
     with pytest.raises(PluginError, match="--drafter-path"):
         plugin._check(Namespace(**{**vars(args), "drafter_path": None}))

@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step
 
 from mlx_lm_spec_decode import last_stats, speculative_generate_step
 from mlx_lm_spec_decode import assistant as A
-from mlx_lm_spec_decode.assistant_train import Target, _schedule, loss_fn
+from mlx_lm_spec_decode.training.distill import Target, loss_fn, schedule
 
 PROMPTS = [
     "Write a haiku about the sea.",
@@ -44,7 +44,7 @@ def test_real_model_greedy_parity(smollm2_f32_path):
     A.init_from_target(net, model)
     inputs = target.run(mx.array([seq], mx.uint32))
     mx.eval(inputs)
-    opt = optim.Adam(learning_rate=_schedule(3e-3, 40, 8))
+    opt = optim.Adam(learning_rate=schedule(3e-3, 40, 8))
     vg = nn.value_and_grad(net, lambda n: loss_fn(n, target, *inputs, 1, 0.1))
     for _ in range(40):
         (loss, ces, accs), g = vg(net)

@@ -19,8 +19,10 @@ from mlx_lm import load
 from mlx_lm_spec_decode import assistant as A
 from mlx_lm_spec_decode import last_stats, speculative_generate_step
 from mlx_lm_spec_decode import target as target_mod
-from mlx_lm_spec_decode.assistant_train import (CKPT, DATA_FILE, EVAL_FILE, LOG_FILE, greedy_batch, main,
-                                                make_batches)
+from mlx_lm_spec_decode.training.chat import greedy_batch
+from mlx_lm_spec_decode.training.checkpoint import CKPT, EVAL_FILE, LOG_FILE
+from mlx_lm_spec_decode.training.cli import main
+from mlx_lm_spec_decode.training.data import DATA_FILE, make_batches
 
 
 @pytest.fixture(scope="module")

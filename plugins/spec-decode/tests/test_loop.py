@@ -281,7 +281,7 @@ def test_costly_drafter_is_switched_off_after_one_round(tiny_llama, repetitive_p
     ],
 )
 def test_verify_cost_model_switches_off_where_drafting_cannot_pay(verify_cost, off):
-    from mlx_lm_spec_decode.loop import Controller
+    from mlx_lm_spec_decode.controller import Controller
 
     ctl = Controller(3, 10)
     ctl.update(0, 0, 1.0)

@@ -1,0 +1,111 @@
+"""``AssistantDrafter``: the verify loop's drafter over an ``Assistant`` net.
+
+It keeps nothing between rounds: all its context is the target's cache
+(read through the donor layers) and the target's final hidden state, which
+the loop hands it in ``ctx.hidden``. So its prompt caches are an empty list,
+and a restored prompt cache needs nothing of it.
+"""
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from .. import target as target_mod
+from ..drafter import DraftContext, Drafter
+from .config import AssistantConfig, AssistantError
+from .donors import NO_HIDDEN, donor_layout, donor_view, embedding, rope_of, vocab_size
+from .net import Assistant
+
+
+class AssistantDrafter(Drafter):
+    """Drafts with an ``Assistant`` that reads the target's cache and hidden state."""
+
+    name = "assistant"
+    needs_hidden = True
+
+    def __init__(self, model: nn.Module, net: Assistant, cfg: AssistantConfig, *, split: Optional[tuple] = None,
+                 max_draft: int = 6, adaptive: bool = True, auto_off: bool = True):
+        if max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+        split = split or target_mod.split(model)
+        if split is None:
+            raise AssistantError(NO_HIDDEN)
+        n = len(make_prompt_cache(model))
+        if any(not (0 <= d < n) for d in cfg.donors):
+            raise AssistantError(f"donor layers {cfg.donors} do not exist in a target with {n} caches")
+        self.model = model
+        self.cfg = cfg
+        self.head = split[1]
+        self.embed = embedding(model)
+        self.ropes = [rope_of(model, d) for d in cfg.donors]
+        # The net computes in the donors' K/V dtype, so the attention over
+        # the borrowed cache needs no cast of it.
+        dtype = donor_layout(model, cfg.donors)[3]
+        net.set_dtype(dtype)
+        net.freeze()
+        self.net = net
+        self.max_draft = max_draft
+        self.adaptive, self.auto_off = adaptive, auto_off
+        self.vocab = vocab_size(model)
+
+    def __repr__(self) -> str:
+        return f"AssistantDrafter({self.cfg.num_layers} layers, donors={self.cfg.donors}, max_draft={self.max_draft})"
+
+    def make_cache(self) -> list[Any]:
+        return []
+
+    def cache_ok(self, caches: list[Any]) -> bool:
+        return len(caches) == 0
+
+    def donors(self, ctx: DraftContext) -> list[Any]:
+        """The donor caches (the target's own objects) each layer reads."""
+        return [ctx.target_cache[d] for d in self.cfg.donors]
+
+    def prefill(self, ctx: DraftContext, tokens: list[int]) -> None:
+        ctx.state["last"] = list(tokens[-1:])
+        ctx.state["own"] = 0
+
+    def draft(self, ctx: DraftContext, n: int) -> tuple[Any, Optional[mx.array]]:
+        last = ctx.state.get("last")
+        if n <= 0 or not last or ctx.hidden is None:
+            return [], None
+        caches = self.donors(ctx)
+        views = [donor_view(c) for c in caches]
+        pos = caches[-1].offset
+        own = [[] for _ in self.net.layers]
+        hidden = ctx.hidden.reshape(1, 1, -1)
+        tok = mx.array(last, mx.uint32)
+        tokens, probs = [], []
+        for s in range(n):
+            hidden = self.net.step(hidden, self.embed(tok)[None], views, self.ropes, own, pos + s)
+            logits = self.head(hidden)[0, -1:, : self.vocab]
+            if ctx.temp == 0:
+                tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            else:
+                lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                if ctx.filter is not None:
+                    lp = ctx.filter(lp)
+                lp = lp.astype(mx.float32) * (1.0 / ctx.temp)
+                tok = mx.random.categorical(lp).astype(mx.uint32)
+                probs.append(mx.softmax(lp, axis=-1))
+            tokens.append(tok)
+        # The chain's own K/V entries (``own``) die here: every token the
+        # target keeps will be in its own cache after the verify.
+        ctx.state["own"] = n
+        return mx.concatenate(tokens), (mx.concatenate(probs) if probs else None)
+
+    def accept(self, ctx: DraftContext, tokens: list[int], n_drafted: int) -> None:
+        ctx.state["own"] = 0
+        if tokens:
+            ctx.state["last"] = list(tokens[-1:])
+
+    def trim(self, ctx: DraftContext, n: int) -> None:
+        # The history shrank behind the loop's back: the last token and the
+        # hidden state no longer match, so draft nothing until told again.
+        if n > 0:
+            ctx.state["last"] = []
+
+    def flush(self, ctx: DraftContext) -> None:
+        ctx.state["own"] = 0

@@ -1,0 +1,138 @@
+"""When to draft and how much: the verify loop's adaptive draft length and
+its measured on/off switch.
+
+The loop asks ``want()`` before each round and reports each round with
+``update(k, a, seconds)`` (``k == 0``: a plain step). Drafting pays only
+when a verify round yields more tokens per second than plain steps do; the
+controller times both and switches drafting off (with doubling back-off, or
+for good when the drafter or the verify forward cannot pay) when it does not.
+"""
+
+from collections import deque
+from typing import Optional
+
+
+class Controller:
+    """Adaptive draft length and the measured on/off switch."""
+
+    WINDOW = 16  # recent drafting rounds compared against plain steps
+    MIN_ROUNDS = 4  # drafting rounds measured before the first decision
+    RETRY_ROUNDS = 3  # ... and after each retry
+    SLACK = 1.03  # drafting must be at least this much slower to switch off
+    BACKOFF = 32  # tokens decoded plainly before drafting is tried again
+    # A draft step costing this fraction of a plain target step or more cannot
+    # pay off: a verify over 2+ tokens already costs more than one step.
+    DRAFT_COST = 0.8
+    # The verify side of the same question: where a forward over w tokens
+    # costs nearly w plain steps (MLX's CPU kernel for quantized weights),
+    # even a drafter that is right this often gains nothing, so drafting
+    # stays off for the request instead of retrying after each back-off.
+    BEST_ACCEPT = 0.9
+    VERIFY_SAMPLES = 2  # verify rounds timed before this is judged
+
+    def __init__(self, gamma: int, gmax: int, adaptive: bool = True, auto_off: bool = True):
+        self.gmax = max(1, gmax)
+        self.gamma = max(1, min(gamma, self.gmax))
+        self.adaptive, self.auto_off = adaptive, auto_off
+        self.spec = deque(maxlen=self.WINDOW)  # (seconds, tokens)
+        self.verify = deque(maxlen=8)  # (window width, seconds of the verify forward)
+        self.plain = deque(maxlen=5)  # seconds per plain step
+        # Time two plain steps first: every decision compares against them.
+        self.probe = 2 if auto_off else 0
+        self.draft_step = None  # seconds per draft token, when measurable
+        self.timed = 0  # drafting rounds whose draft was timed on its own
+        self.rounds = 0
+        self.backoff = self.BACKOFF
+        self.off_for = 0
+        self.switched_off = False
+        self.need = self.MIN_ROUNDS
+
+    def want(self) -> int:
+        """Tokens to draft this round (0: a plain step, to time it)."""
+        if self.probe > 0:
+            self.probe -= 1
+            return 0
+        if self.auto_off and self.draft_step is None and self.timed == 0:
+            return 1  # the first timed draft: one step tells its cost
+        return self.gamma
+
+    def time_draft(self) -> bool:
+        """Whether to evaluate this round's (lazy) drafts on their own, to time them."""
+        return self.auto_off and self.timed < 2
+
+    def free_drafts(self) -> None:
+        """The drafter computes nothing on the device (n-gram lookup)."""
+        self.timed = 2
+
+    def drafted(self, k: int, seconds: float) -> None:
+        self.timed += 1
+        self.draft_step = seconds / k
+
+    def _switch_off(self, for_good=False):
+        # Too costly a drafter stays off (the machine will not change within
+        # a request); too little acceptance is retried after a back-off.
+        self.off_for = (1 << 30) if for_good else self.backoff
+        self.backoff *= 2
+        self.switched_off = True
+        self.spec.clear()
+        self.need = self.RETRY_ROUNDS
+        self.timed = min(self.timed, 1)  # time one more draft on retry
+        self.probe = 1
+
+    def best_gain(self, accept: float) -> Optional[float]:
+        """Best tokens/s of drafting relative to plain decoding, over draft
+        lengths 1..gmax, if each draft token is right with probability
+        ``accept``; ``None`` until enough steps are timed.
+
+        The cost of a verify over w tokens is modelled as ``a + b * w`` plain
+        seconds, with b the cheapest marginal cost seen (other processes only
+        ever make a forward slower, so the fastest samples are the truest).
+        """
+        if len(self.plain) < 2 or len([w for w, _ in self.verify if w > 1]) < self.VERIFY_SAMPLES:
+            return None
+        p = min(self.plain)
+        b = max(0.0, min((t - p) / (w - 1) for w, t in self.verify if w > 1))
+        a = p - b
+        d = self.draft_step or 0.0
+        best = 0.0
+        for g in range(1, self.gmax + 1):
+            tokens = (1 - accept ** (g + 1)) / (1 - accept)
+            best = max(best, tokens * p / (a + b * (g + 1) + d * g))
+        return best
+
+    def verify_cannot_pay(self) -> bool:
+        gain = self.best_gain(self.BEST_ACCEPT)
+        return gain is not None and gain < self.SLACK
+
+    def update(self, k: int, a: int, dt: float) -> None:
+        """A round drafted ``k`` tokens (0: a plain step), kept ``a``, took ``dt`` seconds."""
+        if k == 0:
+            self.plain.append(dt)
+            return
+        self.rounds += 1
+        self.spec.append((dt, a + 1))
+        self.verify.append((k + 1, dt - k * (self.draft_step or 0.0)))
+        if self.adaptive:
+            # No growth before the verify cost is judged: a wide first window
+            # is what costs most where windows are not cheap.
+            grow = 2 if not self.auto_off or self.best_gain(self.BEST_ACCEPT) is not None else 0
+            self.gamma = min(self.gamma + grow, self.gmax) if a == k else max(1, self.gamma - 1)
+        if not self.auto_off:
+            return
+        # Measure a plain step now and then: a draft model never yields one,
+        # and other processes on the machine change both figures over time.
+        if self.rounds == 2:
+            self.probe = 2
+        elif self.rounds % 12 == 0:
+            self.probe = 1
+        if not self.plain:
+            return
+        plain = sorted(self.plain)[(len(self.plain) - 1) // 2]
+        if self.draft_step is not None and self.draft_step >= self.DRAFT_COST * plain:
+            self._switch_off(for_good=True)
+        elif self.verify_cannot_pay():
+            self._switch_off(for_good=True)
+        elif len(self.plain) >= 2 and len(self.spec) >= self.need:
+            spec = sum(t for t, _ in self.spec) / sum(n for _, n in self.spec)
+            if spec > plain * self.SLACK:
+                self._switch_off()
