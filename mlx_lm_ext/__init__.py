@@ -22,8 +22,12 @@ def enable(name, **options):
     command-line defaults. Raises ``PluginError`` for an unknown plugin or a
     bad option.
     """
-    from . import integration
+    import os
 
+    from . import _boot, integration
+
+    if os.environ.get("MLX_LM_EXT_DISABLE", "") in ("", "0"):
+        _boot.install()  # where no .pth ran (python -S, embedded interpreters)
     return integration.enable(name, **options)
 
 

@@ -115,16 +115,18 @@ def make_drafter(command, model, tokenizer, draft_model, args, options):
 
 
 @hookspec(firstresult=True)
-def speculative_generate_step(prompt, model, draft_model, kwargs):
+def speculative_generate_step(prompt, model, drafter, kwargs):
     """Return a generator for mlx-lm's speculative path, or ``None``.
 
     Called for every call of ``mlx_lm.generate.speculative_generate_step``
-    (``stream_generate`` with a ``draft_model``). ``kwargs`` holds the rest of
-    that call (``stream``, ``num_draft_tokens``, ``max_tokens``, ``sampler``,
-    ``logits_processors``, ``prompt_cache``, ...). The generator must yield
-    ``(token: int, logprobs: mx.array[V], from_draft: bool)`` as mlx-lm's does.
-    Return ``None`` for a ``draft_model`` this plugin does not handle, and
-    mlx-lm's own implementation runs.
+    (``stream_generate`` with a draft model). ``drafter`` is what mlx-lm was
+    given as its draft model: the drafter the host got from ``make_drafter``
+    and handed to mlx-lm, or a plain ``nn.Module`` draft model. ``kwargs``
+    holds the rest of that call (``stream``, ``num_draft_tokens``,
+    ``max_tokens``, ``sampler``, ``logits_processors``, ``prompt_cache``,
+    ...). The generator must yield ``(token: int, logprobs: mx.array[V],
+    from_draft: bool)`` as mlx-lm's does. Return ``None`` for a drafter this
+    plugin does not handle, and mlx-lm's own implementation runs.
     """
 
 

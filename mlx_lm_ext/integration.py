@@ -116,12 +116,9 @@ def enable(name, **options):
     """Python API (``mlx_lm_ext.enable``); ``MLX_LM_EXT_DISABLE=1`` wins."""
     import os
 
-    from . import _boot
-
     if os.environ.get("MLX_LM_EXT_DISABLE", "") not in ("", "0"):
         log.warning("mlx-lm-ext: MLX_LM_EXT_DISABLE is set; plugin '%s' not enabled", name)
         return None
-    _boot.install()  # where no .pth ran (python -S, embedded interpreters)
     args = plugins.python_args(name, options)
     plugin = plugins.activate(name, "python", args)
     # Every plugin enabled from Python adds its options to one namespace.
@@ -316,7 +313,7 @@ def _install_dispatcher():
                 kwargs["stream"] = args[0]
             gen = plugins.first(
                 "speculative_generate_step",
-                prompt=prompt, model=model, draft_model=draft_model, kwargs=kwargs,
+                prompt=prompt, model=model, drafter=draft_model, kwargs=kwargs,
             )
             if gen is None:
                 gen = original(prompt, model, draft_model, **kwargs)

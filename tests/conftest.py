@@ -94,8 +94,8 @@ PLUGIN_SRC = textwrap.dedent(
 
 
     @hookimpl
-    def speculative_generate_step(prompt, model, draft_model, kwargs):
-        if not isinstance(draft_model, EchoDrafter):
+    def speculative_generate_step(prompt, model, drafter, kwargs):
+        if not isinstance(drafter, EchoDrafter):
             return None
         record("speculative_generate_step")
         import mlx_lm.generate as _g  # noqa: F401
