@@ -3,44 +3,16 @@ its last hidden state (``Drafter.needs_hidden``)."""
 
 import contextlib
 import os
-import sys
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
-from mlx_lm_ext import host
+from mlx_lm_ext import backbone, host
 
 
 def split(model):
-    """``(backbone, head)`` with ``head(backbone(x, cache)) == model(x, cache)``.
-
-    Covers mlx-lm's common layout (``model.model`` then ``lm_head`` or the
-    tied embedding, optional final soft-cap) and checks it on a short input;
-    returns ``None`` when the check fails.
-    """
-    inner = getattr(model, "model", None)
-    if inner is None:
-        return None
-    if getattr(model, "lm_head", None) is not None and not getattr(model, "tie_word_embeddings", False):
-        proj = model.lm_head
-    elif hasattr(inner, "embed_tokens"):
-        proj = inner.embed_tokens.as_linear
-    else:
-        return None
-    cap = getattr(model, "final_logit_softcapping", None)
-
-    def head(h):
-        out = proj(h)
-        return mx.tanh(out / cap) * cap if cap else out
-
-    def backbone(x, cache):
-        return inner(x, cache=cache)
-
-    x = mx.array([[1, 2, 3]], mx.uint32)
-    try:
-        ok = mx.allclose(head(backbone(x, None)), model(x), atol=1e-4, rtol=1e-3).item()
-    except Exception:
-        return None
-    return (backbone, head) if ok else None
+    """``(backbone, head)`` with ``head(backbone(x, cache)) == model(x, cache)``,
+    or ``None`` when the model does not decompose so (the host's check)."""
+    return backbone.split(model)
 
 
 # ------------------------------------------------ verify-window attention

@@ -430,7 +430,7 @@ def test_plugin_flags(llama, trained, tmp_path):
     with pytest.raises(PluginError, match="--drafter-path"):
         plugin._check(Namespace(**{**vars(args), "drafter_path": None}))
     with pytest.raises(PluginError, match="does not exist"):
-        plugin.make_drafter("generate", model, tok, None, Namespace(**{**vars(args), "drafter_path": str(tmp_path / "x")}))
+        plugin.make_drafter("generate", model, tok, None, Namespace(**{**vars(args), "drafter_path": str(tmp_path / "x")}), None)
     with pytest.raises(PluginError, match="does not exist"):
         plugin._check(Namespace(**{**vars(args), "drafter_path": str(tmp_path / "x")}))
 
