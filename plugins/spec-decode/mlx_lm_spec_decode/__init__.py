@@ -15,13 +15,14 @@
 __version__ = "0.1.0"
 
 from .draft_model import DraftModelDrafter, VocabularyMismatch, check_vocab
-from .drafter import DraftContext, Drafter
+from .drafter import DraftContext, Drafter, DrafterProtocol
 from .loop import speculative_generate_step
 from .ngram import NGramCache, NGramDrafter
 from .stats import SpecStats, last as last_stats
 
 __all__ = [
     "Drafter",
+    "DrafterProtocol",
     "DraftContext",
     "NGramDrafter",
     "NGramCache",

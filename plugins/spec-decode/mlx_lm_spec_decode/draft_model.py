@@ -7,10 +7,13 @@ consumed (the target's correction token, or the last accepted draft) wait in
 ``ctx.state["pending"]`` and go in front of the next draft step.
 """
 
+from typing import Any, Optional
+
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from .drafter import Drafter
+from .drafter import DraftContext, Drafter
 
 PREFILL_STEP = 512
 
@@ -19,7 +22,7 @@ class VocabularyMismatch(ValueError):
     pass
 
 
-def check_vocab(target_tokenizer, draft_tokenizer):
+def check_vocab(target_tokenizer: Any, draft_tokenizer: Any) -> None:
     """Raise ``VocabularyMismatch`` unless both tokenizers map tokens to the same ids."""
     t = dict(target_tokenizer.get_vocab())
     d = dict(draft_tokenizer.get_vocab())
@@ -43,8 +46,9 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, model, *, tokenizer=None, target_tokenizer=None, target_vocab_size=None, max_draft=6,
-                 adaptive=True, auto_off=True):
+    def __init__(self, model: nn.Module, *, tokenizer: Any = None, target_tokenizer: Any = None,
+                 target_vocab_size: Optional[int] = None, max_draft: int = 6, adaptive: bool = True,
+                 auto_off: bool = True):
         if tokenizer is not None and target_tokenizer is not None:
             check_vocab(target_tokenizer, tokenizer)
         if max_draft < 1:
@@ -62,10 +66,10 @@ class DraftModelDrafter(Drafter):
     def __repr__(self):
         return f"DraftModelDrafter({type(self.model).__module__}, max_draft={self.max_draft})"
 
-    def make_cache(self):
+    def make_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 
-    def cache_ok(self, caches):
+    def cache_ok(self, caches: list[Any]) -> bool:
         fresh = self.make_cache()
         return len(caches) == len(fresh) and all(type(a) is type(b) for a, b in zip(caches, fresh))
 
@@ -74,12 +78,12 @@ class DraftModelDrafter(Drafter):
             self.model(mx.array(tokens[s : s + PREFILL_STEP], mx.uint32)[None], cache=ctx.cache)
             mx.eval([c.state for c in ctx.cache])
 
-    def prefill(self, ctx, tokens):
+    def prefill(self, ctx: DraftContext, tokens: list[int]) -> None:
         pending = ctx.state.setdefault("pending", []) + list(tokens)
         self._feed(ctx, pending[:-1])
         ctx.state["pending"] = pending[-1:]
 
-    def draft(self, ctx, n):
+    def draft(self, ctx: DraftContext, n: int) -> tuple[Any, Optional[mx.array]]:
         pending = ctx.state.get("pending", [])
         if n <= 0 or not pending:
             ctx.state["k"] = 0
@@ -105,7 +109,7 @@ class DraftModelDrafter(Drafter):
         # The last draft is not fed: it is fed with the next pending tokens.
         return mx.concatenate(tokens), (mx.concatenate(probs) if probs else None)
 
-    def accept(self, ctx, tokens, n_drafted):
+    def accept(self, ctx: DraftContext, tokens: list[int], n_drafted: int) -> None:
         k = ctx.state.pop("k", 0)
         if k == 0:
             ctx.state.setdefault("pending", []).extend(tokens)
@@ -118,14 +122,14 @@ class DraftModelDrafter(Drafter):
             trim_prompt_cache(ctx.cache, k - 1 - n_drafted)
             ctx.state["pending"] = list(tokens[n_drafted:])
 
-    def trim(self, ctx, n):
+    def trim(self, ctx: DraftContext, n: int) -> None:
         pending = ctx.state.get("pending", [])
         drop = min(n, len(pending))
         ctx.state["pending"] = pending[: len(pending) - drop]
         if n > drop:
             trim_prompt_cache(ctx.cache, n - drop)
 
-    def flush(self, ctx):
+    def flush(self, ctx: DraftContext) -> None:
         pending = ctx.state.get("pending", [])
         if pending:
             self._feed(ctx, pending)

@@ -77,21 +77,21 @@ def _offset(caches):
 
 
 def speculative_generate_step(
-    prompt,
-    model,
-    drafter,
-    stream=generation_stream,
+    prompt: Any,
+    model: nn.Module,
+    drafter: DrafterProtocol,
+    stream: Any = generation_stream,
     *,
-    num_draft_tokens=2,
-    max_tokens=256,
-    sampler=None,
-    logits_processors=None,
-    prompt_cache=None,
-    prefill_step_size=512,
-    kv_bits=None,
-    kv_group_size=64,
-    quantized_kv_start=5000,
-):
+    num_draft_tokens: int = 2,
+    max_tokens: int = 256,
+    sampler: Optional[Callable] = None,
+    logits_processors: Optional[list[Callable]] = None,
+    prompt_cache: Optional[list[Any]] = None,
+    prefill_step_size: int = 512,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+) -> Iterator[Step]:
     """Yield ``(token, logprobs[V], from_draft)`` as mlx-lm's speculative loop does."""
     # Built inside the generator: as in mlx-lm, nothing runs before the first next().
     loop = VerifyLoop(

@@ -8,16 +8,18 @@ the target's KV cache. Appending a token updates the index in O(n_max)
 n-gram length, and an undo log makes ``trim`` exact.
 """
 
+from typing import Any
+
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from .drafter import Drafter
+from .drafter import DraftContext, Drafter
 
 
 class NGramCache(_BaseCache):
     """Token history plus ``{n-gram: position after its latest occurrence}``."""
 
-    def __init__(self, n_min=2, n_max=4):
+    def __init__(self, n_min: int = 2, n_max: int = 4):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {n_min}, {n_max}")
         self.n_min = n_min
@@ -27,7 +29,7 @@ class NGramCache(_BaseCache):
         # One entry per position: the index values it replaced, for trim().
         self.undo = []
 
-    def extend(self, tokens):
+    def extend(self, tokens: list[int]) -> None:
         toks, index, undo = self.tokens, self.index, self.undo
         for t in tokens:
             i = len(toks)
@@ -59,7 +61,7 @@ class NGramCache(_BaseCache):
             out.append(toks[src] if src < size else out[src - size])
         return out
 
-    def lookup(self, n_tokens):
+    def lookup(self, n_tokens: int) -> list[int]:
         """Continue the longest suffix seen before, copying what followed it."""
         n, start = self.match()
         return self.copy(start, n_tokens) if n else []
@@ -75,10 +77,10 @@ class NGramCache(_BaseCache):
     def empty(self):
         return not self.tokens
 
-    def is_trimmable(self):
+    def is_trimmable(self) -> bool:
         return True
 
-    def trim(self, n):
+    def trim(self, n: int) -> int:
         n = min(n, len(self.tokens))
         for _ in range(n):
             self.tokens.pop()
@@ -143,7 +145,8 @@ class NGramDrafter(Drafter):
     MIN_TRIES = 3.0  # decayed tries before a length may be silenced
     MIN_HIT = 0.34
 
-    def __init__(self, n_max=4, n_min=2, max_draft=10, adaptive=True, auto_off=True):
+    def __init__(self, n_max: int = 4, n_min: int = 2, max_draft: int = 10, adaptive: bool = True,
+                 auto_off: bool = True):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {n_min}, {n_max}")
         if max_draft < 1:
@@ -154,20 +157,20 @@ class NGramDrafter(Drafter):
     def __repr__(self):
         return f"NGramDrafter(n_max={self.n_max}, n_min={self.n_min}, max_draft={self.max_draft})"
 
-    def make_cache(self):
+    def make_cache(self) -> list[Any]:
         return [NGramCache(self.n_min, self.n_max)]
 
-    def cache_ok(self, caches):
+    def cache_ok(self, caches: list[Any]) -> bool:
         return (
             len(caches) == 1
             and isinstance(caches[0], NGramCache)
             and (caches[0].n_min, caches[0].n_max) == (self.n_min, self.n_max)
         )
 
-    def prefill(self, ctx, tokens):
+    def prefill(self, ctx: DraftContext, tokens: list[int]) -> None:
         ctx.cache[0].extend(tokens)
 
-    def draft(self, ctx, n):
+    def draft(self, ctx: DraftContext, n: int) -> tuple[list[int], None]:
         cache = ctx.cache[0]
         length, start = cache.match()
         if not length:
@@ -181,7 +184,7 @@ class NGramDrafter(Drafter):
             return [], None  # silent: the guess is only checked
         return tokens, None
 
-    def accept(self, ctx, tokens, n_drafted):
+    def accept(self, ctx: DraftContext, tokens: list[int], n_drafted: int) -> None:
         guess = ctx.state.pop("guess", None)
         if guess is not None:
             length, first = guess
@@ -192,5 +195,5 @@ class NGramDrafter(Drafter):
             )
         ctx.cache[0].extend(tokens)
 
-    def trim(self, ctx, n):
+    def trim(self, ctx: DraftContext, n: int) -> None:
         ctx.cache[0].trim(n)

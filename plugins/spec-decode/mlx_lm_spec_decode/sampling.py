@@ -24,8 +24,13 @@ lossless is refused by ``check_sampler``: a sampler that does not return one
 token id for a one-row input.
 """
 
+from typing import Any, Callable, Optional
+
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
+
+# logprobs [rows, V] -> token ids (a sampler) or filtered logprobs (a filter)
+Sampler = Callable[[mx.array], mx.array]
 
 _FILTERS = {
     ("top_p",): "top_p",
@@ -46,7 +51,7 @@ def _closure(fn):
     return dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__)))
 
 
-def describe(sampler):
+def describe(sampler: Optional[Sampler]) -> tuple[str, Optional[float], Optional[Sampler]]:
     """``("greedy", 0, None)``, ``("explicit", temp, filter)`` or ``("match", None, None)``."""
     if sampler is None or sampler is greedy_sampler:
         return "greedy", 0.0, None
@@ -72,7 +77,7 @@ def _chain(methods):
     return apply
 
 
-def check_sampler(sampler, vocab_size):
+def check_sampler(sampler: Sampler, vocab_size: int) -> None:
     """Refuse a sampler whose draws cannot be matched token by token."""
     probe = mx.zeros((1, vocab_size), mx.float32)
     out = sampler(probe)
@@ -84,12 +89,13 @@ def check_sampler(sampler, vocab_size):
         )
 
 
-def verify_greedy(logprobs, drafts):
+def verify_greedy(logprobs: mx.array, drafts: mx.array) -> mx.array:
     """(lazy) target tokens for every row; the caller counts the matches."""
     return mx.argmax(logprobs, axis=-1)
 
 
-def verify_explicit(logprobs, drafts, q, temp, filt):
+def verify_explicit(logprobs: mx.array, drafts: Any, q: Optional[mx.array], temp: float,
+                    filt: Optional[Sampler]) -> tuple[mx.array, mx.array, mx.array]:
     """Lazy ``(keep[k], residual_tokens[k], bonus[1])`` for the speculative sampling rule."""
     lp = filt(logprobs) if filt is not None else logprobs
     p = mx.softmax(lp.astype(mx.float32) * (1.0 / temp), axis=-1)
@@ -120,6 +126,6 @@ def verify_explicit(logprobs, drafts, q, temp, filt):
     return keep, res_tokens, bonus
 
 
-def verify_match(logprobs, sampler):
+def verify_match(logprobs: mx.array, sampler: Sampler) -> mx.array:
     """The sampler's own draw for each row, one row per call."""
     return mx.concatenate([sampler(logprobs[i : i + 1]).reshape(1) for i in range(logprobs.shape[0])])

@@ -22,20 +22,20 @@ class SpecStats:
     fallback: Optional[str] = None  # why the request decoded plainly, if it did
 
     @property
-    def acceptance(self):
+    def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
-    def tokens_per_forward(self):
+    def tokens_per_forward(self) -> float:
         return self.emitted / self.forwards if self.forwards else 0.0
 
-    def as_dict(self):
+    def as_dict(self) -> dict:
         d = asdict(self)
         d["acceptance_rate"] = round(self.acceptance, 4)
         d["tokens_per_forward"] = round(self.tokens_per_forward, 4)
         return d
 
-    def line(self):
+    def line(self) -> str:
         s = (
             f"Speculative decoding ({self.drafter}): drafted {self.drafted}, "
             f"accepted {self.accepted} ({100 * self.acceptance:.1f}%), "
@@ -50,7 +50,7 @@ class SpecStats:
         return s
 
 
-def start(stats):
+def start(stats: SpecStats) -> None:
     """Record ``stats`` as this thread's latest request, and as the current
     request's figures for the host (``usage``, ``--verbose``)."""
     from mlx_lm_ext import host
@@ -61,6 +61,6 @@ def start(stats):
         info["spec-decode"] = stats
 
 
-def last():
+def last() -> Optional[SpecStats]:
     """The stats of the latest speculative request on this thread, or None."""
     return getattr(_local, "last", None)
