@@ -13,8 +13,9 @@ entry back to a prompt cache), ``writer`` (the thread and the file writes),
 ``eviction`` (the byte cap, superseded prefixes).
 """
 
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +33,11 @@ RESCAN_INTERVAL = 30.0  # pick up entries other servers wrote into our directory
 
 
 class DiskTier:
+    """The disk tier under one server's prompt cache; thread-safe, never raises."""
+
     def __init__(
         self,
-        directory,
+        directory: str | os.PathLike,
         max_bytes: int,
         *,
         verify: bool = False,
@@ -100,7 +103,7 @@ class DiskTier:
 
     # -------------------------------------------------------------- fetch
 
-    def fetch(self, model_key, tokens, at_least: int = 0) -> tuple[list, int] | None:
+    def fetch(self, model_key, tokens: Sequence[int], at_least: int = 0) -> tuple[list, int] | None:
         """``(cache, n)``: the first ``n`` tokens of ``tokens`` restored, or None.
 
         Only a restore of more than ``at_least`` tokens is attempted.
@@ -159,7 +162,7 @@ class DiskTier:
     def put(
         self,
         model_key,
-        tokens,
+        tokens: Sequence[int],
         prompt_cache: list,
         cache_type: str = "assistant",
         touch: bool = True,

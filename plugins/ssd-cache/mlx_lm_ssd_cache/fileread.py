@@ -52,7 +52,7 @@ class Header:
 # -------------------------------------------------------------------- header
 
 
-def read_header(path, dir_fd: int | None = None) -> Header:
+def read_header(path: str | os.PathLike, dir_fd: int | None = None) -> Header:
     """Read and check one file's header only. Raises ``Corrupt`` or ``OSError``.
 
     ``path`` is opened relative to ``dir_fd`` (an open namespace) without

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -71,7 +71,7 @@ def mx_name(st: str) -> str:
     raise Corrupt(f"unknown dtype {st}")
 
 
-def tokens_json(tokens) -> str:
+def tokens_json(tokens: Sequence[int] | np.ndarray) -> str:
     return json.dumps([int(t) for t in tokens], separators=(",", ":"))
 
 
@@ -158,7 +158,9 @@ def _kv_length(caches):
 # ------------------------------------------------------------------ snapshot
 
 
-def snapshot(prompt_cache: Sequence, n_model: int | None = None, extra_classes=()) -> Snapshot:
+def snapshot(
+    prompt_cache: Sequence, n_model: int | None = None, extra_classes: Iterable[type] = ()
+) -> Snapshot:
     """Slice, evaluate and view ``prompt_cache`` as numpy (generation thread).
 
     The first ``n_model`` caches are the model's (all of them by default);
@@ -265,7 +267,7 @@ def header_bytes(meta: dict, tensors: dict) -> bytes:
 
 
 def write(
-    tmp_path,
+    tmp_path: str | os.PathLike,
     snap: Snapshot,
     meta: dict,
     pace: Callable[[int], None] | None = None,

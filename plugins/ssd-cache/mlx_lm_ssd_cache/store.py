@@ -10,7 +10,7 @@ import hashlib
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +39,7 @@ class Space:
     ref: object = None  # layout.Reference: the caches the model makes
 
 
-def entry_name(namespace: str, tokens) -> str:
+def entry_name(namespace: str, tokens: Sequence[int] | np.ndarray) -> str:
     """The file name of the entry for ``tokens``: a hash, so that a name is never trusted."""
     data = np.asarray(tokens, dtype=np.int64).tobytes()
     return hashlib.sha256(namespace.encode() + b"\0" + data).hexdigest()[:32] + SUFFIX
