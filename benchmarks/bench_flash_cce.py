@@ -298,6 +298,8 @@ def run_gpu_table(a, rows):
 AUTO_PATHS = [
     ("mlx 8192x16384 +1024", "mlx", (8192, 16384), 1024, "mlx"),
     ("mlx f32-step 8192x16384 +1024", "mlx", (8192, 16384), 1024, "mlx-f32"),
+    ("mlx gemm-sum 8192x16384 +1024", "mlx", (8192, 16384), 1024, "mlx-gemmsum"),
+    ("mlx gemm-sum 4096x16384 +256", "mlx", (4096, 16384), 256, "mlx-gemmsum"),
     ("mlx 8192x8192 +512", "mlx", (8192, 8192), 512, "mlx"),
     ("mlx 4096x8192 +256", "mlx", (4096, 8192), 256, "mlx"),
     ("mlx 2048x8192 +128", "mlx", (2048, 8192), 128, "mlx"),
@@ -374,29 +376,26 @@ def run_auto_table(a, rows):
                 logging.getLogger("mlx_lm_flash_cce").addHandler(handler)
                 logging.getLogger("mlx_lm_flash_cce").setLevel(logging.INFO)
                 fn = lambda x: linear_cross_entropy(x, head, targets, train=frozen, memory_budget=nbytes)
+                from mlx_lm_flash_cce import budget as _b
+
                 tic = time.perf_counter()
                 try:
                     mx.eval(fn(hidden))  # the first call runs the trial
                     _sync()
                     first = time.perf_counter() - tic
-                    from mlx_lm_flash_cce import budget as _b
-
-                    _b.LIMIT.release()  # measure the chosen path under its own limit, as training holds it
-                    key = next(iter(autotune._MEMORY))
-                    cand = autotune._MEMORY[key].candidate
-                    limit = cand.limit_mib
-                    old = mx.set_memory_limit(mx.get_active_memory() + limit * 2**20) if limit else None
-                    try:
-                        t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
-                    finally:
-                        if old is not None:
-                            mx.set_memory_limit(old)
+                    cand = autotune._MEMORY[next(iter(autotune._MEMORY))].candidate
+                    # measured under the limit the call holds, as in training
+                    # (an explicit budget: inputs + the path's limit; the
+                    # default: no lower than budget.device_floor())
+                    _b.LIMIT.release()
+                    t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
                 except Exception as e:  # noqa: BLE001 (e.g. a budget no path fits)
                     print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {'auto @' + str(budget):>30} | {str(e)[:300]}",
                           flush=True)
                     rows.append({"N": n, "V": v, "H": h, "head": kind, "method": f"auto @{budget}", "error": str(e)})
                     continue
                 finally:
+                    _b.LIMIT.release()
                     logging.getLogger("mlx_lm_flash_cce").removeHandler(handler)
                 row(f"auto @{budget}: {cand.label}", t, m, value, {"trial_s": first, "log": lines})
                 print(f"{'':>26} trial (first call) {first:.2f} s; {lines[-1] if lines else ''}", flush=True)
@@ -512,7 +511,10 @@ def one_step(loss_name, model_name, batch, seq, layers, steps):
         from mlx_lm_flash_cce import budget as _b
 
         _b.LIMIT.hold = lambda extra: 0
-    loss = default_loss if loss_name == "default" else make_loss(model, verbose=False)
+    options = {}
+    if "@" in loss_name:  # flash-cce@2G: an explicit --cce-memory-budget
+        options["memory_budget"] = loss_name.split("@")[1]
+    loss = default_loss if loss_name == "default" else make_loss(model, verbose=False, **options)
     lengths = mx.array([[0, seq]] * batch)
     opt = optim.Adam(learning_rate=1e-5)
     lvg = nn.value_and_grad(model, loss)
@@ -619,7 +621,8 @@ def main():
     p.add_argument("--step-layers", type=int, default=4)
     p.add_argument("--step-repeats", type=int, default=1)
     p.add_argument("--step-losses", nargs="*", default=["default", "flash-cce"],
-                   help="default, flash-cce, flash-cce-nolimit (without MLX's backpressure)")
+                   help="default, flash-cce, flash-cce@SIZE (an explicit memory budget), "
+                        "flash-cce-nolimit (without MLX's backpressure)")
     p.add_argument("--auto-table", action="store_true")
     p.add_argument("--auto-paths", nargs="*", default=None, help="--auto-table: only these path labels")
     p.add_argument("--auto-budgets", nargs="*", default=["default"], help="--auto-table: budgets for auto rows")

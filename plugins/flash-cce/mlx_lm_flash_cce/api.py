@@ -59,6 +59,21 @@ def stock_per_token(head, hidden, targets, softcap=None, logit_scale=None):
     return ce if rows is None else ce[:rows]
 
 
+def native_per_token(head, hidden, targets, softcap=None, logit_scale=None):
+    """mlx-lm's stock loss: ``cross_entropy`` of the logits in the head's own dtype.
+
+    What ``auto`` runs when it picks the stock-style head: the same math and
+    memory as ``default_loss`` (a soft cap or scale takes the float32 path).
+    """
+    if softcap is not None or logit_scale is not None:
+        return stock_per_token(head, hidden, targets, softcap, logit_scale)
+    x, rows = qmm.pad_rows(hidden)
+    if rows is not None:
+        targets = mx.pad(targets, [(0, x.shape[0] - rows)])
+    ce = nn.losses.cross_entropy(heads.full_logits(head, x), targets).astype(mx.float32)
+    return ce if rows is None else ce[:rows]
+
+
 def chunked_per_token(head, hidden, targets, softcap=None, logit_scale=None, token_chunk=256):
     """Exact per-token loss of a callable head, token chunk by token chunk."""
     call = head.module
@@ -197,7 +212,7 @@ def linear_cross_entropy(
         )
         cand = _candidate(impl, backend, spec, h, nbytes, opts)
         if cand.limit_mib and _budget.is_async_gpu():
-            _budget.LIMIT.hold(cand.limit_mib * autotune.MIB)
+            _budget.LIMIT.hold(cand.limit_mib * autotune.MIB, 0 if nbytes else _budget.device_floor())
         ce = run_candidate(cand, spec, h, t, opts, train)
 
     if valid is not None:
@@ -232,7 +247,7 @@ def _candidate(impl, backend, spec, h, nbytes, opts):
 def run_candidate(cand, spec, h, t, opts, train):
     """Per-token loss ``[N]`` of ``spec`` on ``h`` by candidate path ``cand``."""
     if cand.impl == "stock":
-        return stock_per_token(spec, h, t, opts.softcap, opts.logit_scale)
+        return native_per_token(spec, h, t, opts.softcap, opts.logit_scale)
     if cand.vocab_chunk:
         opts = opts._replace(token_chunk=cand.token_chunk, vocab_chunk=cand.vocab_chunk)
     return backends.resolve(cand.backend, spec, opts)(spec, h, t, opts, train)

@@ -5,11 +5,14 @@ candidate path runs loss + hidden-state gradient once on inputs of the
 call's shapes, dtype and head kind, on its device, and the fastest whose
 peak working memory fits the memory budget wins. Candidates:
 
-- ``stock``: the full-logit head, where its logits fit the budget;
+- ``stock``: mlx-lm's full-logit loss, where its logits fit the budget (on
+  a GPU with room for it, also timed over budget as the reference the log
+  line compares with);
 - ``mlx``: the pure-MLX path; on a GPU in big blocks with the one-pass
   step and MLX's backpressure (``budget.bounded``), on the CPU in today's
   small blocks (the CPU allocates only a few operations ahead);
-- ``cuda-gemm`` (CUDA GPU): the same blocks with its CUDA row kernel;
+- ``cuda-gemm`` (CUDA GPU): the same blocks with its CUDA row kernel (there
+  the pure-MLX path is tried in big blocks only, as a fallback);
 - ``cuda`` fused kernels and the pure-MLX path in small blocks: the least
   memory and the slowest, so they are tried only when nothing else fits
   (their compile time would otherwise dominate the trial).
@@ -45,9 +48,10 @@ log = logging.getLogger("mlx_lm_flash_cce")
 MIB = 1 << 20
 CACHE_VERSION = 1
 # Big-block configurations for a GPU: (tokens, vocabulary rows, limit MiB
-# above the inputs), fastest first; measured on the H200
-# (benchmarks/results/flash-cce-h200.md).
-GPU_BLOCKS = ((8192, 16384, 1024), (4096, 8192, 256), (2048, 8192, 128))
+# above the inputs): the fastest, and the one of least memory. On the H200
+# (benchmarks/results/flash-cce-h200.md) 4096 x 8192 was never the best of
+# the three, and each configuration the trial runs costs kernel compiles.
+GPU_BLOCKS = ((8192, 16384, 1024), (2048, 8192, 128))
 
 
 class Candidate(NamedTuple):
@@ -188,10 +192,12 @@ def candidates(spec, n: int, h: int, dtype, include_stock: bool) -> list:
     plain = spec.bias is None and not spec.has_lora
     here = backends.available()
     seen = set()
+    on_cuda = cuda.available()
     for backend in ("mlx", "cuda-gemm"):
-        if backend not in here or not plain or (backend == "cuda-gemm" and not cuda.available()):
+        if backend not in here or not plain or (backend == "cuda-gemm" and not on_cuda):
             continue
-        for tc, vc, limit in GPU_BLOCKS:
+        # on CUDA the row kernel beats the MLX step at every block size measured
+        for tc, vc, limit in GPU_BLOCKS[:1] if backend == "mlx" and on_cuda else GPU_BLOCKS:
             tc, vc = min(tc, n), min(vc, spec.vocab)
             if (backend, tc, vc) not in seen:
                 seen.add((backend, tc, vc))
@@ -284,15 +290,15 @@ def _stock_reference(n, vocab, dtype) -> bool:
     """Time the stock head as the reference even over budget? On a GPU with room for it."""
     if not _budget.is_async_gpu():
         return False
-    try:
-        total = mx.device_info().get("memory_size", 0)
-    except Exception:  # noqa: BLE001
-        total = 0
-    return 0 < stock_bytes(n, vocab, dtype) <= total // 4
+    return 0 < stock_bytes(n, vocab, dtype) <= _budget.device_floor() // 3
 
 
-def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock) -> Choice:
-    """This process's choice: a cached one, the only candidate that fits, or a trial's winner."""
+def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock, strict=True) -> Choice:
+    """This process's choice: the only candidate that fits, or a trial's winner.
+
+    ``strict``: the user set the budget, and a batch no path fits is an
+    error; the default budget takes the path of least memory instead.
+    """
     from mlx_lm_ext import PluginError
 
     fits_stock = include_stock and stock_bytes(n, spec.vocab, dtype) <= nbytes
@@ -301,6 +307,8 @@ def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock) -> Choice
     if fits_stock:
         within.insert(0, Candidate("stock"))
     what = f"[{n} tokens, V={spec.vocab}, H={h}, {_dtype(dtype)}, {head_kind(spec)} head]"
+    if not within and not strict:
+        within = [min((c for c in cands if c.impl != "stock"), key=lambda c: floor_bytes(c, n, h, dtype))]
     if not within:
         smallest = min(floor_bytes(c, n, h, dtype) for c in cands if c.impl != "stock")
         raise PluginError(f"--cce-memory-budget {_budget.format_size(nbytes)} is below what any flash-cce path "
@@ -316,6 +324,8 @@ def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock) -> Choice
                             run_choice)
     spent = time.perf_counter() - tic
     fit = [r for r in results if r.peak <= nbytes]
+    if not fit and results and not strict:
+        fit = [min(results, key=lambda r: r.peak)]
     if not fit:
         if not results:  # every candidate failed: the default path, as without a trial
             cand = Candidate("flash", "mlx")
@@ -366,6 +376,7 @@ def choose(spec, n, h, dtype, nbytes, opts, run_choice, include_stock=True) -> C
     """
     from mlx_lm_ext import PluginError
 
+    strict = nbytes is not None
     if nbytes is None:
         nbytes = _budget.default_for(stock_bytes(n, spec.vocab, dtype))
     key = _key(spec, n, h, dtype, nbytes, opts)
@@ -379,7 +390,7 @@ def choose(spec, n, h, dtype, nbytes, opts, run_choice, include_stock=True) -> C
             choice = None  # written by a version with other candidates
         if choice is None:
             try:
-                choice = decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock)
+                choice = decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock, strict)
             except PluginError as e:
                 error = e
             else:

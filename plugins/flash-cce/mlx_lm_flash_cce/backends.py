@@ -76,7 +76,7 @@ def mlx_per_token(head, hidden, targets, opts, train=None):
         return portable.per_token(head, hidden, targets, opts, train)
     if not opts.vocab_chunk:
         opts = opts._replace(token_chunk=GPU_TOKEN_CHUNK, vocab_chunk=GPU_VOCAB_CHUNK)
-    if opts.elementwise not in ("mlx", "mlx-f32"):
+    if opts.elementwise not in ("mlx", "mlx-f32", "mlx-gemmsum"):
         opts = opts._replace(elementwise="mlx")
     return cuda_gemm.per_token(head, hidden, targets, opts, train)
 

@@ -126,10 +126,11 @@ def test_ignore_index_and_reductions(reduction):
     assert mx.abs(g1[::7]).max().item() == 0  # ignored tokens: no gradient
 
 
-def test_auto_picks_the_kernels_and_falls_back():
+def test_kernel_plan_and_auto_fall_back():
     hidden, weight, targets = _data(64, 1000, 128, mx.bfloat16, seed=7)
     assert cuda.plan(weight, hidden) == "cuda"
-    # float32, a biased head, LoRA: the pure-MLX path, same numbers as asking for it
+    # float32, a biased head, LoRA: not the kernels; whatever auto measures
+    # best gives the numbers of the pure-MLX path
     f32 = hidden.astype(mx.float32), weight.astype(mx.float32)
     assert "float32" in cuda.plan(f32[1], f32[0])
     biased = nn.Linear(128, 1000, bias=True)
@@ -145,7 +146,7 @@ def test_auto_picks_the_kernels_and_falls_back():
     t96 = targets[:10] % 500  # in range for this 500-row head
     a = linear_cross_entropy(h96, w96, t96, impl="flash")
     b = linear_cross_entropy(h96, w96, t96, impl="flash", backend="mlx")
-    assert abs(a.item() - b.item()) <= 1e-3 * abs(b.item())
+    assert abs(a.item() - b.item()) <= 2e-3 * abs(b.item())
 
 
 def test_trainable_dense_head_gets_its_gradient():

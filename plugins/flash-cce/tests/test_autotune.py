@@ -1,0 +1,238 @@
+"""The memory budget and the measuring ``auto`` backend, on real computation.
+
+Each test's choices go to its own cache folder (``conftest._autotune_cache``).
+The data-parallel test launches two local processes with MLX's ring backend.
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm_ext import PluginError
+
+from mlx_lm_flash_cce import autotune, backends, budget, linear_cross_entropy, plugin
+
+HERE = Path(__file__).parent
+# The candidates and floors these tests name are the CPU's (a GPU measures more paths).
+cpu_only = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="asserts the CPU's candidates")
+
+
+def _case(n=512, v=3000, h=64, seed=0):
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    hidden = mx.random.normal((n, h), key=k1)
+    weight = mx.random.normal((v, h), key=k2) * h**-0.5
+    targets = mx.random.randint(0, v, (n,), key=k3)
+    return hidden, weight, targets
+
+
+def _stock(hidden, weight, targets):
+    return nn.losses.cross_entropy(hidden @ weight.T, targets, reduction="mean")
+
+
+def _loss_and_grad(fn, hidden):
+    value, grad = mx.value_and_grad(fn)(hidden)
+    mx.eval(value, grad)
+    return value, grad
+
+
+# ------------------------------------------------------------------ budget
+
+
+@pytest.mark.parametrize("text,want", [("512M", 512 << 20), ("2G", 2 << 30), ("1.5G", 3 << 29), ("64k", 64 << 10),
+                                       ("1048576", 1 << 20), ("3 GiB", 3 << 30), (4096, 4096)])
+def test_parse_size(text, want):
+    assert budget.parse_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["lots", "2X", "-1G", "", "1.2.3M"])
+def test_parse_size_rejects_nonsense(text):
+    with pytest.raises(ValueError, match="not a memory size"):
+        budget.parse_size(text)
+
+
+def test_format_size_rounds_up_to_mib():
+    assert budget.format_size(2 << 30) == "2G"
+    assert budget.format_size((1 << 20) + 1) == "2M"
+    assert budget.format_size(1536 << 20) == "1536M"
+
+
+def test_default_budget_is_half_the_stock_head_within_floor_and_cap():
+    assert budget.default_for(100 << 30) == budget.DEFAULT_CAP
+    assert budget.default_for(1 << 30) == 512 << 20
+    assert budget.default_for(1 << 20) == budget.DEFAULT_FLOOR
+
+
+@cpu_only
+def test_a_budget_no_path_fits_names_the_smallest():
+    hidden, weight, targets = _case(n=4096, v=3000, h=64)
+    # the pure-MLX path keeps [N, H] float32 accumulators and its output: 2 MiB here
+    with pytest.raises(PluginError, match=r"--cce-memory-budget 1M is below .* the smallest is 2M"):
+        linear_cross_entropy(hidden, weight, targets, memory_budget="1M")
+    value = linear_cross_entropy(hidden, weight, targets, memory_budget="2M")
+    assert abs(value.item() - _stock(hidden, weight, targets).item()) < 1e-4
+
+
+@cpu_only
+def test_budget_too_small_exits_2_from_mlx_lm_lora(tiny_model, capsys):
+    from mlx_lm import load
+
+    model, _ = load(str(tiny_model("llama")))
+    args = plugin.argparse.Namespace(cce_memory_budget="1M")
+    plugin.activate("lora", args)
+    try:
+        loss = plugin.make_loss("flash-cce", model, args)
+        batch = mx.random.randint(0, 1000, (4, 1025), key=mx.random.key(0))
+        lengths = mx.array([[0, 1024]] * 4)
+        model.train()
+        with pytest.raises(SystemExit) as exit_:
+            loss(model, batch, lengths)
+        assert exit_.value.code == 2
+        assert "--cce-memory-budget 1M is below what any flash-cce path needs" in capsys.readouterr().err
+    finally:
+        plugin.deactivate()
+
+
+def test_memory_limit_is_held_and_restored():
+    before = mx.set_memory_limit(10 << 30)
+    try:
+        held = budget.LIMIT.hold(0, floor=12 << 30)
+        assert held == budget.LIMIT.limit == 12 << 30
+        assert mx.set_memory_limit(12 << 30) == 12 << 30  # what MLX holds now
+        assert budget.LIMIT.hold(0, floor=11 << 30) == 12 << 30  # never lowered
+        assert budget.LIMIT.hold(0, floor=13 << 30) == 13 << 30  # raised
+        above = budget.LIMIT.hold(1 << 40)  # active memory + 1 TiB
+        assert above >= (1 << 40) and mx.set_memory_limit(above) == above
+        plugin.deactivate()  # the end of mlx_lm.lora
+        assert budget.LIMIT.limit is None
+        assert mx.set_memory_limit(10 << 30) == 10 << 30  # the limit from before the first hold
+    finally:
+        budget.LIMIT.release()
+        mx.set_memory_limit(before)
+
+
+# -------------------------------------------------------------------- auto
+
+
+def test_auto_trial_picks_the_fastest_within_budget_and_caches_it(caplog, monkeypatch):
+    hidden, weight, targets = _case()
+    trials = []
+    real_trial = autotune.trial
+    monkeypatch.setattr(autotune, "trial", lambda *a, **k: trials.append(1) or real_trial(*a, **k))
+    fn = lambda x: linear_cross_entropy(x, weight, targets, memory_budget="1G")  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        value, grad = _loss_and_grad(fn, hidden)
+    want, want_grad = _loss_and_grad(lambda x: _stock(x, weight, targets), hidden)
+    assert abs(value.item() - want.item()) < 1e-4 and mx.allclose(grad, want_grad, atol=1e-5)
+    assert trials == [1]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flash-cce auto:")]
+    assert len(lines) == 1 and "tried stock" in lines[0] and "chose " in lines[0]
+    # the winner is the fastest within the budget, as the line reports them
+    tried = re.findall(r"(?:tried |, )([a-z-]+(?: \d+x\d+)?(?: \+\d+M)?) ([0-9.]+) ms/\d+ MiB( \(over budget\))?",
+                       lines[0].split("; chose")[0])
+    times = {label: float(ms) for label, ms, over in tried if not over}
+    assert "stock" in times and "mlx" in "".join(times)
+    chosen = lines[0].split("chose ")[1].split(" (")[0]
+    assert chosen == min(times, key=times.get)
+    data = json.loads(autotune.cache_path().read_text())
+    (entry,) = data["choices"].values()
+    assert entry["mlx"] == mx.__version__ and entry["device"] == autotune.device_name()
+    assert autotune.Candidate(**entry["candidate"]).label == chosen
+    # a new process (empty memory) reuses the disk cache: no second trial
+    autotune._MEMORY.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        again, _ = _loss_and_grad(fn, hidden)
+    assert trials == [1] and abs(again.item() - want.item()) < 1e-4
+    assert any("(cached)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("field,value", [("mlx", "0.0.1"), ("device", "gpu:Some Other GPU")])
+def test_cached_choice_from_another_mlx_or_device_is_ignored(field, value, monkeypatch):
+    hidden, weight, targets = _case()
+    trials = []
+    real_trial = autotune.trial
+    monkeypatch.setattr(autotune, "trial", lambda *a, **k: trials.append(1) or real_trial(*a, **k))
+    linear_cross_entropy(hidden, weight, targets, memory_budget="1G")
+    path = autotune.cache_path()
+    data = json.loads(path.read_text())
+    (key,) = data["choices"]
+    data["choices"][key][field] = value
+    path.write_text(json.dumps(data))
+    autotune._MEMORY.clear()
+    linear_cross_entropy(hidden, weight, targets, memory_budget="1G")
+    assert trials == [1, 1]  # measured again
+    entry = json.loads(path.read_text())["choices"][key]
+    assert entry["mlx"] == mx.__version__ and entry["device"] == autotune.device_name()
+
+
+def test_a_failing_candidate_is_dropped_and_training_goes_on(caplog, monkeypatch):
+    def broken(head, hidden, targets, opts, train=None):
+        raise RuntimeError("[malloc] Unable to allocate 1099511627776 bytes")
+
+    backends.register("broken-test", broken, priority=-100)
+    real = autotune.candidates
+    monkeypatch.setattr(autotune, "candidates",
+                        lambda *a, **k: real(*a, **k) + [autotune.Candidate("flash", "broken-test", 512, 1024)])
+    try:
+        hidden, weight, targets = _case()
+        with caplog.at_level(logging.DEBUG, logger="mlx_lm_flash_cce"):
+            value, grad = _loss_and_grad(
+                lambda x: linear_cross_entropy(x, weight, targets, memory_budget="1G"), hidden)
+        want, want_grad = _loss_and_grad(lambda x: _stock(x, weight, targets), hidden)
+        assert abs(value.item() - want.item()) < 1e-4 and mx.allclose(grad, want_grad, atol=1e-5)
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("broken-test 512x1024 failed in the trial (RuntimeError" in m and "dropped" in m
+                   for m in messages)
+        line = next(m for m in messages if m.startswith("flash-cce auto:"))
+        assert "broken-test 512x1024 failed" in line and "chose broken-test" not in line
+    finally:
+        backends._REGISTRY.pop("broken-test")
+
+
+@cpu_only
+def test_only_one_path_within_the_default_budget_runs_no_trial(caplog, monkeypatch):
+    hidden, weight, targets = _case(n=2048, v=49152, h=64)  # the stock head would need ~1.5 GiB
+    monkeypatch.setattr(autotune, "trial", lambda *a, **k: pytest.fail("no trial expected"))
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        linear_cross_entropy(hidden, weight, targets)
+    assert any("mlx (the only path within the budget 768M" in r.getMessage() for r in caplog.records)
+
+
+def test_forced_backend_skips_the_trial(monkeypatch):
+    hidden, weight, targets = _case()
+    monkeypatch.setattr(autotune, "trial", lambda *a, **k: pytest.fail("no trial expected"))
+    for backend in ("mlx", "cuda-gemm"):
+        value = linear_cross_entropy(hidden, weight, targets, backend=backend, memory_budget="1G")
+        assert abs(value.item() - _stock(hidden, weight, targets).item()) < 1e-4
+    assert not autotune.cache_path().exists()
+
+
+# ---------------------------------------------------------- data parallel
+
+
+@cpu_only
+def test_ranks_agree_on_auto_choice(tmp_path):
+    launch = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+    if not os.path.exists(launch):
+        pytest.skip("mlx.launch (MLX's distributed launcher) is not installed")
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [launch, "-n", "2", "--backend", "ring", "--python", sys.executable, str(HERE / "dp_worker.py"),
+           str(tmp_path), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # rank 1's own cache says "stock"; rank 0 measured, and its trial prefers the pure-MLX path
+    assert results[1]["own_cache"] == "stock"
+    assert results[0]["choice"] == results[1]["choice"] == results[0]["measured"] == "mlx"
+    assert results[0]["loss"] == pytest.approx(results[1]["loss"], abs=1e-6)
+    # only rank 0 writes its cache; rank 1's stays as it was
+    assert results[0]["cached"] == results[0]["choice"] and results[1]["cached"] == "stock"
