@@ -20,14 +20,14 @@ B=benchmarks/bench_flash_cce.py
 for step in ${*:-auto step tests}; do
   echo "=== $step $(date +%T)"
   case $step in
-    auto) timeout ${AUTO_TIMEOUT:-330} python3 $B --auto-table --repeats 3 --auto-budgets ${AUTO_BUDGETS:-default} \
-            --auto-paths "mlx 8192x16384 +1024" "mlx gemm-sum 8192x16384 +1024" "mlx 2048x8192 +128" \
-            "cuda-gemm 8192x16384 +1024" "cuda fused" --json "$OUT/auto.json" 2>&1 | tee "$OUT/auto.log" ;;
+    auto) timeout ${AUTO_TIMEOUT:-330} python3 $B --auto-table --repeats 3 --auto-budgets ${AUTO_BUDGETS:-default 2G} \
+            --auto-paths "mlx 8192x16384 +1024" "mlx 2048x8192 +128" "cuda-gemm 8192x16384 +1024" \
+            "cuda-gemm 2048x8192 +128" "cuda fused" --json "$OUT/auto.json" 2>&1 | tee "$OUT/auto.log" ;;
     step) timeout ${STEP_TIMEOUT:-240} python3 $B --step --step-model random-llama-1b --step-batch 4 --step-seq 2048 \
             --step-layers 16 --step-repeats 3 --step-losses ${STEP_LOSSES:-default flash-cce flash-cce@2G} \
             --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log" ;;
     tests) timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
-             plugins/flash-cce/tests/test_cuda_gemm.py plugins/flash-cce/tests/test_autotune.py \
+             ${TESTS:-plugins/flash-cce/tests/test_cuda_gemm.py} plugins/flash-cce/tests/test_autotune.py \
              plugins/flash-cce/tests/test_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
   esac
 done
