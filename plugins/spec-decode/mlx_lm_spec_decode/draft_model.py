@@ -46,9 +46,17 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, model: nn.Module, *, tokenizer: Any = None, target_tokenizer: Any = None,
-                 target_vocab_size: Optional[int] = None, max_draft: int = 6, adaptive: bool = True,
-                 auto_off: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tokenizer: Any = None,
+        target_tokenizer: Any = None,
+        target_vocab_size: Optional[int] = None,
+        max_draft: int = 6,
+        adaptive: bool = True,
+        auto_off: bool = True,
+    ):
         if tokenizer is not None and target_tokenizer is not None:
             check_vocab(target_tokenizer, tokenizer)
         if max_draft < 1:
@@ -71,7 +79,9 @@ class DraftModelDrafter(Drafter):
 
     def cache_ok(self, caches: list[Any]) -> bool:
         fresh = self.make_cache()
-        return len(caches) == len(fresh) and all(type(a) is type(b) for a, b in zip(caches, fresh))
+        return len(caches) == len(fresh) and all(
+            type(a) is type(b) for a, b in zip(caches, fresh, strict=True)
+        )
 
     def _feed(self, ctx, tokens):
         for s in range(0, len(tokens), PREFILL_STEP):
@@ -90,7 +100,7 @@ class DraftModelDrafter(Drafter):
             return [], None
         y = mx.array(pending, mx.uint32)
         tokens, probs = [], []
-        for i in range(n):
+        for _ in range(n):
             logits = self.model(y[None], cache=ctx.cache)[0, -1:, :]
             if self.vocab is not None and logits.shape[-1] > self.vocab:
                 logits = logits[:, : self.vocab]

@@ -25,7 +25,6 @@ cache), ``rounds`` (draft and verify, or plain steps), ``settle`` (caches
 left holding exactly what was yielded, whatever stopped the consumer).
 """
 
-
 import logging
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -95,9 +94,18 @@ def speculative_generate_step(
     """Yield ``(token, logprobs[V], from_draft)`` as mlx-lm's speculative loop does."""
     # Built inside the generator: as in mlx-lm, nothing runs before the first next().
     loop = VerifyLoop(
-        prompt, model, drafter, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens, sampler=sampler,
-        logits_processors=logits_processors, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
-        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+        prompt,
+        model,
+        drafter,
+        num_draft_tokens=num_draft_tokens,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=logits_processors,
+        prompt_cache=prompt_cache,
+        prefill_step_size=prefill_step_size,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
     )
     yield from loop.run(stream)
 
@@ -106,16 +114,32 @@ class VerifyLoop:
     """One request's decoding: the target, its caches, the drafter and the
     figures, from the prompt to the last token yielded."""
 
-    def __init__(self, prompt: Any, model: nn.Module, drafter: DrafterProtocol, *, num_draft_tokens: int,
-                 max_tokens: int, sampler: Optional[Callable], logits_processors: Optional[list[Callable]],
-                 prompt_cache: Optional[list[Any]], prefill_step_size: int, kv_bits: Optional[int],
-                 kv_group_size: int, quantized_kv_start: int):
+    def __init__(
+        self,
+        prompt: Any,
+        model: nn.Module,
+        drafter: DrafterProtocol,
+        *,
+        num_draft_tokens: int,
+        max_tokens: int,
+        sampler: Optional[Callable],
+        logits_processors: Optional[list[Callable]],
+        prompt_cache: Optional[list[Any]],
+        prefill_step_size: int,
+        kv_bits: Optional[int],
+        kv_group_size: int,
+        quantized_kv_start: int,
+    ):
         tokens = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
         if not tokens:
             raise ValueError("speculative decoding needs a non-empty prompt")
         self.tokens, self.model, self.drafter = tokens, model, drafter
         self.max_tokens, self.prefill_step_size = max_tokens, prefill_step_size
-        self.kv_bits, self.kv_group_size, self.quantized_kv_start = kv_bits, kv_group_size, quantized_kv_start
+        self.kv_bits, self.kv_group_size, self.quantized_kv_start = (
+            kv_bits,
+            kv_group_size,
+            quantized_kv_start,
+        )
         self.n_t = n_target_caches(model)
         if prompt_cache is None:
             prompt_cache = make_prompt_cache(model) + drafter.make_cache()
@@ -127,21 +151,29 @@ class VerifyLoop:
         self.logits_processors = logits_processors
         self.split = self._split()
         self.attention = target_mod.attention_policy()  # a bad MLX_LM_SPEC_ATTENTION fails here
-        self.ctx = DraftContext(model, self.target_cache, dcache, temp=self.temp or 0.0, filter=self.filt)
+        self.ctx = DraftContext(
+            model, self.target_cache, dcache, temp=self.temp or 0.0, filter=self.filt
+        )
         self.ctl = Controller(
             num_draft_tokens,
             max(num_draft_tokens, drafter.max_draft),
             adaptive=getattr(drafter, "adaptive", True),
             auto_off=getattr(drafter, "auto_off", True),
         )
-        self.st = stats_mod.SpecStats(drafter.name, gamma_start=self.ctl.gamma, gamma=self.ctl.gamma)
+        self.st = stats_mod.SpecStats(
+            drafter.name, gamma_start=self.ctl.gamma, gamma=self.ctl.gamma
+        )
         stats_mod.start(self.st)
         # The token history for logits processors (only when there are some).
         self.context = list(tokens) if logits_processors else None
         self.match_checked = False  # a custom sampler is checked once, on the first verify
         self.emitted = 0  # tokens yielded
-        self.told = 0  # tokens the drafter was told of (more than yielded if the consumer stops early)
-        self.y = tokens[-1]  # the pending token: emitted (or the prompt's last), not yet fed to the target
+        self.told = (
+            0  # tokens the drafter was told of (more than yielded if the consumer stops early)
+        )
+        self.y = tokens[
+            -1
+        ]  # the pending token: emitted (or the prompt's last), not yet fed to the target
         self.warned = False
         self.misses = 0  # drafting rounds in a row with nothing proposed
         self.start = _offset(self.target_cache)
@@ -163,8 +195,10 @@ class VerifyLoop:
             return None
         split = target_mod.split(self.model)
         if split is None:
-            raise ValueError(f"the {self.drafter.name} drafter needs the target's hidden states, "
-                             f"which this architecture does not expose in mlx-lm's usual layout")
+            raise ValueError(
+                f"the {self.drafter.name} drafter needs the target's hidden states, "
+                f"which this architecture does not expose in mlx-lm's usual layout"
+            )
         return split
 
     # ------------------------------------------------------------ the whole
@@ -184,7 +218,9 @@ class VerifyLoop:
         one is pending, fed with the first drafts."""
         tokens, ctx = self.tokens, self.ctx
         for s in range(0, len(tokens) - 1, self.prefill_step_size):
-            chunk = mx.array(tokens[s : min(s + self.prefill_step_size, len(tokens) - 1)], mx.uint32)[None]
+            chunk = mx.array(
+                tokens[s : min(s + self.prefill_step_size, len(tokens) - 1)], mx.uint32
+            )[None]
             if self.split is None:
                 self.model(chunk, cache=self.target_cache)
             else:
@@ -194,7 +230,10 @@ class VerifyLoop:
                 # logits, so the lm-head is skipped.
                 ctx.hidden = self.split[0](chunk, self.target_cache)[0, -1:]
             self.quantize()
-            mx.eval([c.state for c in self.target_cache] + ([ctx.hidden] if ctx.hidden is not None else []))
+            mx.eval(
+                [c.state for c in self.target_cache]
+                + ([ctx.hidden] if ctx.hidden is not None else [])
+            )
         self.drafter.prefill(ctx, tokens)
 
     def rounds(self) -> Iterator[Step]:
@@ -342,7 +381,8 @@ class VerifyLoop:
         if self.warned:
             return
         kinds = ", ".join(sorted({type(c).__name__ for c in self.target_cache}))
-        reason = f"the prompt cache cannot be rolled back ({kinds}{', past its window' if room == 1 else ''})"
+        past = ", past its window" if room == 1 else ""
+        reason = f"the prompt cache cannot be rolled back ({kinds}{past})"
         log.warning(f"spec-decode: plain decoding for the rest of this request: {reason}")
         self.st.fallback = reason
         self.warned = True
@@ -399,7 +439,9 @@ class VerifyLoop:
         return self.split[1](h)[0], h[0]
 
     def quantize(self) -> None:
-        maybe_quantize_kv_cache(self.target_cache, self.quantized_kv_start, self.kv_group_size, self.kv_bits)
+        maybe_quantize_kv_cache(
+            self.target_cache, self.quantized_kv_start, self.kv_group_size, self.kv_bits
+        )
         if self.kv_bits is not None:
             # The caller's list must see the quantized caches (mlx-lm's own
             # loop quantizes a slice copy, and the server stores stale ones).
@@ -412,7 +454,11 @@ def _logprobs(logits, logits_processors, context, drafts):
     rows = []
     ctx_arr = mx.array(context, mx.uint32)
     for i in range(logits.shape[0]):
-        toks = mx.concatenate([ctx_arr, drafts[:i].astype(mx.uint32)]) if i and drafts is not None else ctx_arr
+        toks = (
+            mx.concatenate([ctx_arr, drafts[:i].astype(mx.uint32)])
+            if i and drafts is not None
+            else ctx_arr
+        )
         row = logits[i : i + 1]
         for proc in logits_processors:
             row = proc(toks, row)

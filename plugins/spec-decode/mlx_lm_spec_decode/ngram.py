@@ -145,8 +145,14 @@ class NGramDrafter(Drafter):
     MIN_TRIES = 3.0  # decayed tries before a length may be silenced
     MIN_HIT = 0.34
 
-    def __init__(self, n_max: int = 4, n_min: int = 2, max_draft: int = 10, adaptive: bool = True,
-                 auto_off: bool = True):
+    def __init__(
+        self,
+        n_max: int = 4,
+        n_min: int = 2,
+        max_draft: int = 10,
+        adaptive: bool = True,
+        auto_off: bool = True,
+    ):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {n_min}, {n_max}")
         if max_draft < 1:

@@ -48,7 +48,7 @@ def _closure(fn):
     code = getattr(fn, "__code__", None)
     if code is None or fn.__closure__ is None:
         return {}
-    return dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    return dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__), strict=True))
 
 
 def describe(sampler: Optional[Sampler]) -> tuple[str, Optional[float], Optional[Sampler]]:
@@ -94,8 +94,9 @@ def verify_greedy(logprobs: mx.array, drafts: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def verify_explicit(logprobs: mx.array, drafts: Any, q: Optional[mx.array], temp: float,
-                    filt: Optional[Sampler]) -> tuple[mx.array, mx.array, mx.array]:
+def verify_explicit(
+    logprobs: mx.array, drafts: Any, q: Optional[mx.array], temp: float, filt: Optional[Sampler]
+) -> tuple[mx.array, mx.array, mx.array]:
     """Lazy ``(keep[k], residual_tokens[k], bonus[1])`` for the speculative sampling rule."""
     lp = filt(logprobs) if filt is not None else logprobs
     p = mx.softmax(lp.astype(mx.float32) * (1.0 / temp), axis=-1)
@@ -128,4 +129,6 @@ def verify_explicit(logprobs: mx.array, drafts: Any, q: Optional[mx.array], temp
 
 def verify_match(logprobs: mx.array, sampler: Sampler) -> mx.array:
     """The sampler's own draw for each row, one row per call."""
-    return mx.concatenate([sampler(logprobs[i : i + 1]).reshape(1) for i in range(logprobs.shape[0])])
+    return mx.concatenate(
+        [sampler(logprobs[i : i + 1]).reshape(1) for i in range(logprobs.shape[0])]
+    )

@@ -15,18 +15,53 @@ its own only for the chain it is drafting.
 ``mlx-lm-ext train-drafter`` (``mlx_lm_spec_decode.training``) trains one.
 """
 
-from .config import CONFIG_FILE, FORMAT, WEIGHTS_FILE, AssistantConfig, AssistantError, AssistantMismatch
-from .donors import (check_fingerprint, donor_layout, donor_view, embedding, find_donors, fingerprint,
-                     make_config, output_scale, rope_of, vocab_size)
+from .config import (
+    CONFIG_FILE,
+    FORMAT,
+    WEIGHTS_FILE,
+    AssistantConfig,
+    AssistantError,
+    AssistantMismatch,
+)
+from .donors import (
+    check_fingerprint,
+    donor_layout,
+    donor_view,
+    embedding,
+    find_donors,
+    fingerprint,
+    make_config,
+    output_scale,
+    rope_of,
+    vocab_size,
+)
 from .drafter import AssistantDrafter
 from .io import load, load_net, read_config, save
 from .net import Assistant, attend, init_from_target
 
 __all__ = [
-    "CONFIG_FILE", "FORMAT", "WEIGHTS_FILE", "AssistantConfig", "AssistantError", "AssistantMismatch",
-    "check_fingerprint", "donor_layout", "donor_view", "embedding", "find_donors", "fingerprint",
-    "make_config", "output_scale", "rope_of", "vocab_size",
+    "CONFIG_FILE",
+    "FORMAT",
+    "WEIGHTS_FILE",
+    "AssistantConfig",
+    "AssistantError",
+    "AssistantMismatch",
+    "check_fingerprint",
+    "donor_layout",
+    "donor_view",
+    "embedding",
+    "find_donors",
+    "fingerprint",
+    "make_config",
+    "output_scale",
+    "rope_of",
+    "vocab_size",
     "AssistantDrafter",
-    "load", "load_net", "read_config", "save",
-    "Assistant", "attend", "init_from_target",
+    "load",
+    "load_net",
+    "read_config",
+    "save",
+    "Assistant",
+    "attend",
+    "init_from_target",
 ]

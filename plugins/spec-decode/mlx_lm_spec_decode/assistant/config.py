@@ -42,8 +42,11 @@ class AssistantConfig:
         names = {f.name for f in fields(cls)}
         cfg = cls(**{k: v for k, v in d.items() if k in names})
         if cfg.format != FORMAT:
-            raise AssistantError(f"assistant format {cfg.format} is not supported (this version reads {FORMAT})")
+            raise AssistantError(
+                f"assistant format {cfg.format} is not supported (this version reads {FORMAT})"
+            )
         if len(cfg.donors) != cfg.num_layers or len(cfg.windows) != cfg.num_layers:
-            raise AssistantError(f"assistant config: {cfg.num_layers} layers but donors {cfg.donors}")
+            raise AssistantError(
+                f"assistant config: {cfg.num_layers} layers but donors {cfg.donors}"
+            )
         return cfg
-

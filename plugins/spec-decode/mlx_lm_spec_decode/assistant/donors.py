@@ -23,8 +23,10 @@ from .config import AssistantConfig, AssistantError, AssistantMismatch
 # Token ids whose final hidden state fingerprints the target's weights.
 PROBE_LEN = 12
 
-NO_HIDDEN = ("the assistant drafter needs the target's hidden states, which this "
-             "architecture does not expose in mlx-lm's usual layout")
+NO_HIDDEN = (
+    "the assistant drafter needs the target's hidden states, which this "
+    "architecture does not expose in mlx-lm's usual layout"
+)
 
 
 def layer_attention(layer: nn.Module) -> Optional[nn.Module]:
@@ -48,7 +50,9 @@ def embedding(model: nn.Module) -> nn.Module:
     inner = getattr(model, "model", None)
     emb = getattr(inner, "embed_tokens", None)
     if emb is None:
-        raise AssistantError("the assistant drafter needs the target's token embedding (model.model.embed_tokens)")
+        raise AssistantError(
+            "the assistant drafter needs the target's token embedding (model.model.embed_tokens)"
+        )
     return emb
 
 
@@ -78,7 +82,9 @@ def _args_dict(model):
     for k, v in sorted(vars(args).items()):
         if isinstance(v, (int, float, str, bool)) or v is None:
             out[k] = v
-        elif isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str, bool)) for x in v):
+        elif isinstance(v, (list, tuple)) and all(
+            isinstance(x, (int, float, str, bool)) for x in v
+        ):
             out[k] = list(v)
     # Weight formats, not the model: a quantized and a float copy are one target.
     for k in ("quantization", "quantization_config"):
@@ -112,14 +118,17 @@ def fingerprint(model: nn.Module, split: Optional[tuple] = None) -> dict[str, An
 def check_fingerprint(expected: dict, actual: dict, where: str = "the drafter") -> None:
     """Raise ``AssistantMismatch`` unless ``actual`` is the target ``expected`` describes."""
     if not expected:
-        raise AssistantMismatch(f"{where} records no target fingerprint; retrain it with mlx-lm-ext train-drafter")
+        raise AssistantMismatch(
+            f"{where} records no target fingerprint; retrain it with mlx-lm-ext train-drafter"
+        )
     if expected.get("config_sha256") != actual.get("config_sha256"):
         ec, ac = expected.get("config", {}), actual.get("config", {})
         diff = sorted(k for k in set(ec) | set(ac) if ec.get(k) != ac.get(k))
         shown = ", ".join(f"{k}: {ec.get(k)!r} vs {ac.get(k)!r}" for k in diff[:4])
         raise AssistantMismatch(
             f"{where} was trained for a different model ({expected.get('model_type')}; differs in "
-            f"{shown or 'configuration'}). Train one for this model: mlx-lm-ext train-drafter --model ..."
+            f"{shown or 'configuration'}). Train one for this model: "
+            "mlx-lm-ext train-drafter --model ..."
         )
     a = mx.array(expected.get("probe", []), mx.float32)
     b = mx.array(actual["probe"], mx.float32)
@@ -131,7 +140,8 @@ def check_fingerprint(expected: dict, actual: dict, where: str = "the drafter") 
     if cos < 0.99 or not (0.95 < ratio < 1.05):
         raise AssistantMismatch(
             f"{where} was trained for a model with the same architecture but other weights "
-            f"(probe similarity {cos:.3f}); train one for this model: mlx-lm-ext train-drafter --model ..."
+            f"(probe similarity {cos:.3f}); train one for this model: "
+            "mlx-lm-ext train-drafter --model ..."
         )
 
 
@@ -154,7 +164,9 @@ def find_donors(model: nn.Module, num_layers: int) -> tuple[list[int], list[Opti
         order = [full[-1]] if num_layers == 1 else [sliding[-1]] + [full[-1]] * (num_layers - 1)
     else:
         order = [(full or sliding)[-1]] * num_layers
-    windows = [caches[i].max_size if isinstance(caches[i], RotatingKVCache) else None for i in order]
+    windows = [
+        caches[i].max_size if isinstance(caches[i], RotatingKVCache) else None for i in order
+    ]
     return order, windows
 
 
@@ -166,7 +178,9 @@ def _given_donors(model, donors, num_layers):
     if len(donors) != num_layers or bad:
         raise AssistantError(f"--donors needs {num_layers} cache indices in [0, {n}), got {donors}")
     donors = [d % n for d in donors]
-    windows = [caches[d].max_size if isinstance(caches[d], RotatingKVCache) else None for d in donors]
+    windows = [
+        caches[d].max_size if isinstance(caches[d], RotatingKVCache) else None for d in donors
+    ]
     return donors, windows
 
 
@@ -178,10 +192,14 @@ def donor_layout(model: nn.Module, donors: list[int]) -> tuple[int, int, int, mx
     for i in donors:
         k, v = caches[i].keys, caches[i].values
         if not isinstance(k, mx.array):
-            raise AssistantError(f"target cache {i} ({type(caches[i]).__name__}) holds no K/V arrays")
+            raise AssistantError(
+                f"target cache {i} ({type(caches[i]).__name__}) holds no K/V arrays"
+            )
         shapes.add((k.shape[1], k.shape[3], v.shape[3], k.dtype))
     if len(shapes) != 1:
-        raise AssistantError(f"donor layers {donors} differ in K/V layout: {sorted(map(str, shapes))}")
+        raise AssistantError(
+            f"donor layers {donors} differ in K/V layout: {sorted(map(str, shapes))}"
+        )
     return shapes.pop()
 
 
@@ -216,8 +234,13 @@ def donor_view(cache: Any) -> tuple[Any, Any, Optional[tuple[int, int]]]:
 # ----------------------------------------------------------------- sizing
 
 
-def make_config(model: nn.Module, num_layers: int = 1, intermediate_size: Optional[int] = None,
-                donors: Optional[list[int]] = None, split: Optional[tuple] = None) -> AssistantConfig:
+def make_config(
+    model: nn.Module,
+    num_layers: int = 1,
+    intermediate_size: Optional[int] = None,
+    donors: Optional[list[int]] = None,
+    split: Optional[tuple] = None,
+) -> AssistantConfig:
     """A config for a new assistant drafter sized for ``model``."""
     if num_layers not in (1, 2, 3, 4):
         raise AssistantError(f"the assistant drafter has 1 to 4 layers, got {num_layers}")
@@ -228,14 +251,26 @@ def make_config(model: nn.Module, num_layers: int = 1, intermediate_size: Option
     n_kv, hd, vhd, _ = donor_layout(model, donors)
     # As many query heads as the donor has (a multiple of its K/V heads).
     attn = layer_attention(model.layers[donors[-1]])
-    heads = getattr(attn, "n_heads", None) or getattr(getattr(model, "args", None), "num_attention_heads", n_kv)
+    heads = getattr(attn, "n_heads", None) or getattr(
+        getattr(model, "args", None), "num_attention_heads", n_kv
+    )
     heads = n_kv * max(1, int(heads) // n_kv)
     args = getattr(model, "args", None)
-    D = int(embedding(model).weight.shape[1] if not hasattr(args, "hidden_size") else args.hidden_size)
+    D = int(
+        embedding(model).weight.shape[1] if not hasattr(args, "hidden_size") else args.hidden_size
+    )
     inter = intermediate_size or getattr(args, "intermediate_size", None) or 4 * D
     eps = float(getattr(args, "rms_norm_eps", 1e-5) or 1e-5)
     return AssistantConfig(
-        hidden_size=D, num_layers=num_layers, num_heads=heads, num_kv_heads=n_kv, head_dim=hd,
-        v_head_dim=vhd, intermediate_size=int(inter), donors=list(donors), windows=windows,
-        rms_norm_eps=eps, target=fingerprint(model, split),
+        hidden_size=D,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=n_kv,
+        head_dim=hd,
+        v_head_dim=vhd,
+        intermediate_size=int(inter),
+        donors=list(donors),
+        windows=windows,
+        rms_norm_eps=eps,
+        target=fingerprint(model, split),
     )

@@ -25,8 +25,17 @@ class AssistantDrafter(Drafter):
     name = "assistant"
     needs_hidden = True
 
-    def __init__(self, model: nn.Module, net: Assistant, cfg: AssistantConfig, *, split: Optional[tuple] = None,
-                 max_draft: int = 6, adaptive: bool = True, auto_off: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        net: Assistant,
+        cfg: AssistantConfig,
+        *,
+        split: Optional[tuple] = None,
+        max_draft: int = 6,
+        adaptive: bool = True,
+        auto_off: bool = True,
+    ):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
         split = split or target_mod.split(model)
@@ -34,7 +43,9 @@ class AssistantDrafter(Drafter):
             raise AssistantError(NO_HIDDEN)
         n = len(make_prompt_cache(model))
         if any(not (0 <= d < n) for d in cfg.donors):
-            raise AssistantError(f"donor layers {cfg.donors} do not exist in a target with {n} caches")
+            raise AssistantError(
+                f"donor layers {cfg.donors} do not exist in a target with {n} caches"
+            )
         self.model = model
         self.cfg = cfg
         self.head = split[1]
@@ -51,7 +62,8 @@ class AssistantDrafter(Drafter):
         self.vocab = vocab_size(model)
 
     def __repr__(self) -> str:
-        return f"AssistantDrafter({self.cfg.num_layers} layers, donors={self.cfg.donors}, max_draft={self.max_draft})"
+        layers, donors = self.cfg.num_layers, self.cfg.donors
+        return f"AssistantDrafter({layers} layers, donors={donors}, max_draft={self.max_draft})"
 
     def make_cache(self) -> list[Any]:
         return []

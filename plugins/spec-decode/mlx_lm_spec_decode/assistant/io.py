@@ -23,12 +23,16 @@ from .net import Assistant
 PathLike = Union[str, Path]
 
 
-def save(path: PathLike, net: Assistant, cfg: AssistantConfig, dtype: Optional[mx.Dtype] = mx.float16) -> None:
+def save(
+    path: PathLike, net: Assistant, cfg: AssistantConfig, dtype: Optional[mx.Dtype] = mx.float16
+) -> None:
     """Write ``assistant.safetensors`` and ``assistant.json`` into ``path``
     (each through a temporary file, so a reader never sees half a folder)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(dtype) if dtype is not None else v for k, v in tree_flatten(net.parameters())}
+    weights = {
+        k: v.astype(dtype) if dtype is not None else v for k, v in tree_flatten(net.parameters())
+    }
     tmp = path / ("." + WEIGHTS_FILE + ".tmp.safetensors")
     mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
     tmp.replace(path / WEIGHTS_FILE)
@@ -43,8 +47,10 @@ def read_config(path: PathLike) -> AssistantConfig:
     if not path.is_dir():
         raise AssistantError(f"assistant drafter folder {path} does not exist")
     if not f.is_file() or not (path / WEIGHTS_FILE).is_file():
-        raise AssistantError(f"{path} is not an assistant drafter folder (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
-                             f"make one with mlx-lm-ext train-drafter")
+        raise AssistantError(
+            f"{path} is not an assistant drafter folder (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
+            f"make one with mlx-lm-ext train-drafter"
+        )
     try:
         return AssistantConfig.from_dict(json.loads(f.read_text()))
     except AssistantError:
@@ -61,7 +67,9 @@ def load_net(path: PathLike, cfg: Optional[AssistantConfig] = None) -> Assistant
         weights = mx.load(str(path / WEIGHTS_FILE))
         net.load_weights(list(weights.items()), strict=True)
     except Exception as e:
-        raise AssistantError(f"{path / WEIGHTS_FILE} cannot be loaded into a {cfg.num_layers}-layer assistant: {e}") from e
+        raise AssistantError(
+            f"{path / WEIGHTS_FILE} cannot be loaded into a {cfg.num_layers}-layer assistant: {e}"
+        ) from e
     return net
 
 

@@ -74,8 +74,14 @@ class Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def attend(q: mx.array, donor: tuple, own_k: list[mx.array], own_v: list[mx.array], scale: float,
-           donor_mask: Optional[mx.array] = None) -> mx.array:
+def attend(
+    q: mx.array,
+    donor: tuple,
+    own_k: list[mx.array],
+    own_v: list[mx.array],
+    scale: float,
+    donor_mask: Optional[mx.array] = None,
+) -> mx.array:
     """Attention of ``q`` over a donor's K/V and the drafter's own entries.
 
     ``q``: ``[B, H, L, d]``. ``donor``: ``(keys, values, quant)`` from
@@ -105,7 +111,11 @@ def attend(q: mx.array, donor: tuple, own_k: list[mx.array], own_v: list[mx.arra
         # Drafting: the chain's own entries are a few more keys of the one
         # query row (concatenated: they are the chain's, not the cache's).
         k_o, v_o = mx.concatenate(own_k, axis=2), mx.concatenate(own_v, axis=2)
-        s_o = (q2.astype(k_o.dtype) @ k_o.swapaxes(-1, -2)).reshape(B, n_kv, rep, 1, -1).astype(mx.float32)
+        s_o = (
+            (q2.astype(k_o.dtype) @ k_o.swapaxes(-1, -2))
+            .reshape(B, n_kv, rep, 1, -1)
+            .astype(mx.float32)
+        )
     else:
         # Training: row i's own keys are row i of each array.
         q5 = q.reshape(B, n_kv, rep, L, d).astype(mx.float32)
@@ -115,7 +125,9 @@ def attend(q: mx.array, donor: tuple, own_k: list[mx.array], own_v: list[mx.arra
     p_d = p[..., :T].reshape(B, n_kv, rep * L, T)
     vdt = values[1].dtype if quant else values.dtype
     if quant:
-        o_d = mx.quantized_matmul(p_d.astype(vdt), *values, transpose=False, group_size=gs, bits=bits)
+        o_d = mx.quantized_matmul(
+            p_d.astype(vdt), *values, transpose=False, group_size=gs, bits=bits
+        )
     else:
         o_d = p_d.astype(vdt) @ values
     out = o_d.reshape(B, n_kv, rep, L, -1).astype(mx.float32)
@@ -143,11 +155,20 @@ class Assistant(nn.Module):
 
     def inputs(self, hidden: mx.array, emb: mx.array) -> mx.array:
         dt = self.fc.weight.dtype
-        x = mx.concatenate([self.hidden_norm(hidden.astype(dt)), self.embed_norm(emb.astype(dt))], axis=-1)
+        x = mx.concatenate(
+            [self.hidden_norm(hidden.astype(dt)), self.embed_norm(emb.astype(dt))], axis=-1
+        )
         return self.fc(x)
 
-    def step(self, hidden: mx.array, emb: mx.array, donors: list[tuple], ropes: list[Any],
-             own: list[list[tuple[mx.array, mx.array]]], pos: int) -> mx.array:
+    def step(
+        self,
+        hidden: mx.array,
+        emb: mx.array,
+        donors: list[tuple],
+        ropes: list[Any],
+        own: list[list[tuple[mx.array, mx.array]]],
+        pos: int,
+    ) -> mx.array:
         """One drafted position (``L == 1``) at absolute position ``pos``.
 
         ``own[i]`` is layer ``i``'s list of ``(k, v)`` from earlier steps of
@@ -160,8 +181,15 @@ class Assistant(nn.Module):
             x = layer.finish(x, a)
         return self.norm(x)
 
-    def unrolled(self, hidden: mx.array, emb: mx.array, donors: list[tuple], ropes: list[Any],
-                 windows: list[Optional[int]], steps: int) -> list[mx.array]:
+    def unrolled(
+        self,
+        hidden: mx.array,
+        emb: mx.array,
+        donors: list[tuple],
+        ropes: list[Any],
+        windows: list[Optional[int]],
+        steps: int,
+    ) -> list[mx.array]:
         """Training: ``steps`` chained draft steps from every position at once.
 
         ``hidden``: the target's final states ``[B, T, D]``; ``emb``: the
@@ -216,7 +244,9 @@ def init_from_target(net: Assistant, model: nn.Module) -> None:
     saturated ones; measured on SmolLM2, better top-1 agreement after the
     same steps than a random start."""
     D = net.fc.weight.shape[0]
-    net.fc.weight = mx.concatenate([mx.eye(D), mx.zeros((D, D))], axis=1).astype(net.fc.weight.dtype)
+    net.fc.weight = mx.concatenate([mx.eye(D), mx.zeros((D, D))], axis=1).astype(
+        net.fc.weight.dtype
+    )
     for layer in net.layers:
         layer.o_proj.weight = mx.zeros_like(layer.o_proj.weight)
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)

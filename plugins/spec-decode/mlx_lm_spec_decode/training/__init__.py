@@ -48,4 +48,3 @@ target, the loss, the training step), ``checkpoint`` (the output folder).
 
 class TrainError(RuntimeError):
     """Bad input to train-drafter: the message says what to do."""
-

@@ -68,8 +68,14 @@ def chat_prompts(tokenizer, tokens: np.ndarray, n: int, seed: int) -> list[list[
     return prompts
 
 
-def greedy_batch(model: nn.Module, split: tuple, prompts: list[list[int]], max_tokens: int, stop_ids: set[int],
-                 prefill_step: int = 256) -> list[list[int]]:
+def greedy_batch(
+    model: nn.Module,
+    split: tuple,
+    prompts: list[list[int]],
+    max_tokens: int,
+    stop_ids: set[int],
+    prefill_step: int = 256,
+) -> list[list[int]]:
     """The target's greedy answers to ``prompts`` (token lists), cut before
     the first stop token: all prompts at once, left-padded in mlx-lm's batch
     caches, one forward per token for the whole batch. (mlx-lm's
@@ -78,8 +84,11 @@ def greedy_batch(model: nn.Module, split: tuple, prompts: list[list[int]], max_t
     backbone, head = split
     B, L = len(prompts), max(len(p) for p in prompts)
     pads = [L - len(p) for p in prompts]
-    x = mx.array([[0] * n + list(p) for p, n in zip(prompts, pads)], mx.uint32)
-    cache = [type(cs[0]).merge(list(cs)) for cs in zip(*(make_prompt_cache(model) for _ in range(B)))]
+    x = mx.array([[0] * n + list(p) for p, n in zip(prompts, pads, strict=True)], mx.uint32)
+    cache = [
+        type(cs[0]).merge(list(cs))
+        for cs in zip(*(make_prompt_cache(model) for _ in range(B)), strict=True)
+    ]
     for c in cache:
         c.prepare(left_padding=pads)
     for s in range(0, L, prefill_step):
@@ -102,8 +111,15 @@ def greedy_batch(model: nn.Module, split: tuple, prompts: list[list[int]], max_t
     return answers
 
 
-def generate_chat(model: nn.Module, tokenizer, prompts: list[list[int]], max_tokens: int, batch_size: int = 64,
-                  progress: bool = True, time_limit: Optional[float] = None) -> list[list[int]]:
+def generate_chat(
+    model: nn.Module,
+    tokenizer,
+    prompts: list[list[int]],
+    max_tokens: int,
+    batch_size: int = 64,
+    progress: bool = True,
+    time_limit: Optional[float] = None,
+) -> list[list[int]]:
     """The target's greedy answers, as ``prompt + answer + EOS`` token lists
     (fewer than asked where ``time_limit`` seconds ran out)."""
     from mlx_lm.generate import batch_generate
@@ -113,7 +129,13 @@ def generate_chat(model: nn.Module, tokenizer, prompts: list[list[int]], max_tok
     stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [eos])
     split = target_mod.split(model)
     out = []
-    bar = tqdm(total=len(prompts), desc="generating", unit=" answers", disable=not progress, file=sys.stderr)
+    bar = tqdm(
+        total=len(prompts),
+        desc="generating",
+        unit=" answers",
+        disable=not progress,
+        file=sys.stderr,
+    )
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch_size):
         if time_limit and s and time.perf_counter() - t0 >= time_limit:
@@ -125,13 +147,23 @@ def generate_chat(model: nn.Module, tokenizer, prompts: list[list[int]], max_tok
             try:
                 answers = greedy_batch(model, split, part, max_tokens, stop_ids)
             except Exception as e:  # a cache type without batch support: mlx-lm's generator
-                log.warning(f"train-drafter: batched greedy generation failed ({e}); using mlx-lm's batch_generate")
+                log.warning(
+                    f"train-drafter: batched greedy generation failed ({e}); "
+                    "using mlx-lm's batch_generate"
+                )
                 split = None
         if answers is None:
-            r = batch_generate(model, tokenizer, part, max_tokens=max_tokens, return_token_ids=True,
-                               completion_batch_size=len(part), prefill_batch_size=min(len(part), 16))
+            r = batch_generate(
+                model,
+                tokenizer,
+                part,
+                max_tokens=max_tokens,
+                return_token_ids=True,
+                completion_batch_size=len(part),
+                prefill_batch_size=min(len(part), 16),
+            )
             answers = r.token_ids
-        for p, ids in zip(part, answers):
+        for p, ids in zip(part, answers, strict=False):
             out.append(p + list(ids) + [eos])
         bar.update(len(part))
     bar.close()
@@ -140,5 +172,9 @@ def generate_chat(model: nn.Module, tokenizer, prompts: list[list[int]], max_tok
 
 def answer_mask(prompts: list[list[int]], seqs: list[list[int]]) -> np.ndarray:
     """1 where a token belongs to an answer (its EOS included): what drafting predicts."""
-    return np.concatenate([np.asarray([0] * len(p) + [1] * (len(s) - len(p)), np.uint8)
-                           for p, s in zip(prompts, seqs)])
+    return np.concatenate(
+        [
+            np.asarray([0] * len(p) + [1] * (len(s) - len(p)), np.uint8)
+            for p, s in zip(prompts, seqs, strict=False)  # fewer answers after a time limit
+        ]
+    )

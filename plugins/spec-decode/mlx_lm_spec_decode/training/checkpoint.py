@@ -23,9 +23,25 @@ CKPT = "checkpoint"
 LOG_FILE = "log.jsonl"
 EVAL_FILE = "eval.jsonl"
 # The flags a resumed run must repeat (they shape the schedule or the data).
-RUN_KEYS = ("layers", "intermediate_size", "donors", "seq_len", "batch_size", "draft_steps", "lr", "steps",
-            "warmup", "feature_weight", "seed", "generate", "generate_tokens", "chat_fraction", "max_data_tokens",
-            "patterns", "eval_rows")
+RUN_KEYS = (
+    "layers",
+    "intermediate_size",
+    "donors",
+    "seq_len",
+    "batch_size",
+    "draft_steps",
+    "lr",
+    "steps",
+    "warmup",
+    "feature_weight",
+    "seed",
+    "generate",
+    "generate_tokens",
+    "chat_fraction",
+    "max_data_tokens",
+    "patterns",
+    "eval_rows",
+)
 
 
 def clear(out: Path) -> None:
@@ -35,7 +51,9 @@ def clear(out: Path) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
 
-def save_checkpoint(out: Path, net: nn.Module, opt: optim.Optimizer, step: int, meta: dict[str, Any]) -> None:
+def save_checkpoint(
+    out: Path, net: nn.Module, opt: optim.Optimizer, step: int, meta: dict[str, Any]
+) -> None:
     """Float32 weights, optimizer state and step, replaced as one folder."""
     out = Path(out)
     tmp, dest, old = out / (CKPT + ".tmp"), out / CKPT, out / (CKPT + ".old")
@@ -67,7 +85,9 @@ def load_checkpoint(d: Path, net: nn.Module, opt: optim.Optimizer) -> dict:
         opt.init(net.trainable_parameters())
         opt.state = tree_unflatten(list(mx.load(str(d / "optimizer.safetensors")).items()))
     except Exception as e:
-        raise TrainError(f"the checkpoint in {d} cannot be read ({e}); start over with --restart") from e
+        raise TrainError(
+            f"the checkpoint in {d} cannot be read ({e}); start over with --restart"
+        ) from e
     return state
 
 
@@ -81,9 +101,13 @@ def check_resume(out: Path, prev: dict, run: dict) -> None:
     """Refuse to resume a run with other settings (``steps`` excepted)."""
     changed = {k: (prev.get(k), run[k]) for k in RUN_KEYS if k != "steps" and prev.get(k) != run[k]}
     if changed:
-        shown = ", ".join(f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in changed.items())
-        raise TrainError(f"{out} holds a run with other settings ({shown}); use the same flags to resume, "
-                         f"another --out, or --restart")
+        shown = ", ".join(
+            f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in changed.items()
+        )
+        raise TrainError(
+            f"{out} holds a run with other settings ({shown}); use the same flags to resume, "
+            f"another --out, or --restart"
+        )
 
 
 def run_settings(args: Namespace) -> dict:

@@ -22,7 +22,15 @@ from . import TrainError
 DEFAULT_PATTERNS = "*.py,*.txt,*.md,*.rst"
 DATA_FILE = "data.safetensors"
 # The flags the saved data depends on: a change in any remakes it.
-DATA_KEYS = ("data", "patterns", "max_data_tokens", "generate", "generate_tokens", "generate_time_limit", "seed")
+DATA_KEYS = (
+    "data",
+    "patterns",
+    "max_data_tokens",
+    "generate",
+    "generate_tokens",
+    "generate_time_limit",
+    "seed",
+)
 TOKENIZE_FILES = 64  # files tokenized per call of the (batched) tokenizer
 
 Batches = Callable[[int], tuple[mx.array, mx.array]]
@@ -63,8 +71,13 @@ def _tokenize(hf, texts, eos):
     return [np.asarray(seq + [eos], dtype=np.uint32) for seq in ids]
 
 
-def read_corpus(tokenizer, path: Path, patterns: str = DEFAULT_PATTERNS, max_tokens: Optional[int] = None,
-                progress: bool = True) -> tuple[np.ndarray, int]:
+def read_corpus(
+    tokenizer,
+    path: Path,
+    patterns: str = DEFAULT_PATTERNS,
+    max_tokens: Optional[int] = None,
+    progress: bool = True,
+) -> tuple[np.ndarray, int]:
     """The data as one token stream, documents separated by EOS, and the
     number of files read."""
     from tqdm import tqdm
@@ -104,7 +117,9 @@ def read_corpus(tokenizer, path: Path, patterns: str = DEFAULT_PATTERNS, max_tok
 def chunk(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     n = len(tokens) // seq_len
     if n == 0:
-        raise TrainError(f"the data has {len(tokens)} tokens, fewer than one --seq-len {seq_len} sequence")
+        raise TrainError(
+            f"the data has {len(tokens)} tokens, fewer than one --seq-len {seq_len} sequence"
+        )
     return tokens[: n * seq_len].reshape(n, seq_len)
 
 
@@ -137,8 +152,12 @@ def _chat_rows(chat, chat_mask, seq_len):
     return np.stack([chunk(chat, seq_len), chunk(chat_mask, seq_len)], axis=-1)
 
 
-def make_batches(args: Namespace, corpus: np.ndarray, chat: Optional[np.ndarray],
-                 chat_mask: Optional[np.ndarray] = None) -> tuple[Batches, int, int, dict]:
+def make_batches(
+    args: Namespace,
+    corpus: np.ndarray,
+    chat: Optional[np.ndarray],
+    chat_mask: Optional[np.ndarray] = None,
+) -> tuple[Batches, int, int, dict]:
     """``batch(step) -> (tokens [B, T], weights [B, T])`` for each step, the
     numbers of training rows, and the held-out rows ``{"text": (tokens,
     weights), "chat": ...}`` (where there are enough). Text rows weigh 1
@@ -152,10 +171,20 @@ def make_batches(args: Namespace, corpus: np.ndarray, chat: Optional[np.ndarray]
         chat_rows, eval_chat = held_out(chat_rows, args.eval_rows)
     evals = {}
     if eval_text is not None:
-        evals["text"] = (mx.array(eval_text.astype(np.uint32)), mx.ones(eval_text.shape, mx.float32))
+        evals["text"] = (
+            mx.array(eval_text.astype(np.uint32)),
+            mx.ones(eval_text.shape, mx.float32),
+        )
     if eval_chat is not None:
-        evals["chat"] = (mx.array(eval_chat[..., 0].astype(np.uint32)), mx.array(row_weights(eval_chat[..., 1])))
-    n_chat = 0 if chat_rows is None else min(args.batch_size, round(args.batch_size * args.chat_fraction))
+        evals["chat"] = (
+            mx.array(eval_chat[..., 0].astype(np.uint32)),
+            mx.array(row_weights(eval_chat[..., 1])),
+        )
+    n_chat = (
+        0
+        if chat_rows is None
+        else min(args.batch_size, round(args.batch_size * args.chat_fraction))
+    )
     n_text = args.batch_size - n_chat
 
     def batch(step):
@@ -178,8 +207,10 @@ def make_batches(args: Namespace, corpus: np.ndarray, chat: Optional[np.ndarray]
 
 def data_signature(args: Namespace, prompts_version: int) -> str:
     """What made the saved data: the prompt templates' version and the flags."""
-    return json.dumps({"prompts": prompts_version, **{k: str(getattr(args, k)) for k in DATA_KEYS}},
-                      sort_keys=True)
+    return json.dumps(
+        {"prompts": prompts_version, **{k: str(getattr(args, k)) for k in DATA_KEYS}},
+        sort_keys=True,
+    )
 
 
 def load_data(out: Path, made_by: str, resuming: bool) -> Optional[tuple]:
@@ -201,8 +232,13 @@ def load_data(out: Path, made_by: str, resuming: bool) -> Optional[tuple]:
     return np.array(d["corpus"]), chat, mask
 
 
-def save_data(out: Path, made_by: str, tokens: np.ndarray, chat: Optional[np.ndarray],
-              mask: Optional[np.ndarray]) -> None:
+def save_data(
+    out: Path,
+    made_by: str,
+    tokens: np.ndarray,
+    chat: Optional[np.ndarray],
+    mask: Optional[np.ndarray],
+) -> None:
     arrays = {"corpus": mx.array(tokens)}
     if chat is not None:
         arrays["chat"] = mx.array(chat)

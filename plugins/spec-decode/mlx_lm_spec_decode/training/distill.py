@@ -20,13 +20,21 @@ import mlx.optimizers as optim
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .. import target as target_mod
-from ..assistant import Assistant, AssistantConfig, donor_layout, embedding, init_from_target, rope_of
+from ..assistant import (
+    Assistant,
+    AssistantConfig,
+    donor_layout,
+    embedding,
+    init_from_target,
+    rope_of,
+)
 from . import TrainError
 from .checkpoint import load_checkpoint
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
-# One step: (hidden, embeddings, donor K/V, target probs, target argmax, row weights) -> (loss, ces, accs).
+# One step: (hidden, embeddings, donor K/V, target probs, target argmax, row weights)
+# -> (loss, per-step cross-entropies, per-step top-1 agreements).
 StepFn = Callable[..., tuple[mx.array, mx.array, mx.array]]
 
 
@@ -37,7 +45,9 @@ class Target:
         self.model = model
         split = split or target_mod.split(model)
         if split is None:
-            raise TrainError("this architecture does not expose its hidden states in mlx-lm's usual layout")
+            raise TrainError(
+                "this architecture does not expose its hidden states in mlx-lm's usual layout"
+            )
         self.backbone, self.head = split
         self.embed = embedding(model)
         self.ropes = [rope_of(model, d) for d in cfg.donors]
@@ -53,12 +63,28 @@ class Target:
         logits = self.head(h).astype(mx.float32)
         T = x.shape[1]
         kv = [(caches[d].keys[..., :T, :], caches[d].values[..., :T, :]) for d in self.cfg.donors]
-        return h, self.embed(x), kv, mx.softmax(logits, axis=-1, precise=True), mx.argmax(logits, axis=-1)
+        return (
+            h,
+            self.embed(x),
+            kv,
+            mx.softmax(logits, axis=-1, precise=True),
+            mx.argmax(logits, axis=-1),
+        )
 
 
-def loss_fn(net: Assistant, target: Target, h: mx.array, emb: mx.array, kv: list, p_t: mx.array, top_t: mx.array,
-            steps: int, feature_weight: float, step_decay: float = 0.8,
-            weights: Optional[mx.array] = None) -> tuple[mx.array, mx.array, mx.array]:
+def loss_fn(
+    net: Assistant,
+    target: Target,
+    h: mx.array,
+    emb: mx.array,
+    kv: list,
+    p_t: mx.array,
+    top_t: mx.array,
+    steps: int,
+    feature_weight: float,
+    step_decay: float = 0.8,
+    weights: Optional[mx.array] = None,
+) -> tuple[mx.array, mx.array, mx.array]:
     """Distillation loss over ``steps`` chained draft steps, step ``s``
     weighted ``step_decay**s``; also each step's cross-entropy and top-1
     agreement with the target (rows with a full chain only, and, with
@@ -88,8 +114,9 @@ def loss_fn(net: Assistant, target: Target, h: mx.array, emb: mx.array, kv: list
     return total / norm, mx.stack(ces), mx.stack(accs)
 
 
-def evaluate(net: Assistant, target: Target, evals: dict, steps: int, feature_weight: float,
-             rows: int = 4) -> dict:
+def evaluate(
+    net: Assistant, target: Target, evals: dict, steps: int, feature_weight: float, rows: int = 4
+) -> dict:
     """Top-1 agreement and cross-entropy per draft step on the held-out rows
     (chats: on the rows predicting answer tokens)."""
     out = {}
@@ -97,7 +124,9 @@ def evaluate(net: Assistant, target: Target, evals: dict, steps: int, feature_we
         accs, ces, n = 0.0, 0.0, 0.0
         for s in range(0, x.shape[0], rows):
             ws = w[s : s + rows]
-            _, ce, acc = loss_fn(net, target, *target.run(x[s : s + rows]), steps, feature_weight, weights=ws)
+            _, ce, acc = loss_fn(
+                net, target, *target.run(x[s : s + rows]), steps, feature_weight, weights=ws
+            )
             k = ws.sum()
             mx.eval(ce, acc, k)
             accs, ces, n = accs + acc * k, ces + ce * k, n + k.item()
@@ -110,8 +139,10 @@ def schedule(lr: float, steps: int, warmup: int) -> Callable:
     """Linear warm-up (at most a tenth of the steps), then cosine decay to a tenth."""
     warmup = max(1, min(warmup, steps // 10 or 1))
     return optim.join_schedules(
-        [optim.linear_schedule(lr * 0.01, lr, warmup),
-         optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.1)],
+        [
+            optim.linear_schedule(lr * 0.01, lr, warmup),
+            optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.1),
+        ],
         [warmup],
     )
 
@@ -134,8 +165,9 @@ class _FallbackStep:
             return self.plain(*inputs)
 
 
-def make_trainer(args: Namespace, cfg: AssistantConfig, target: Target,
-                 ckpt: Optional[Path] = None) -> tuple[Assistant, optim.Optimizer, list, StepFn]:
+def make_trainer(
+    args: Namespace, cfg: AssistantConfig, target: Target, ckpt: Optional[Path] = None
+) -> tuple[Assistant, optim.Optimizer, list, StepFn]:
     """The drafter (fresh, or from checkpoint folder ``ckpt``), its
     optimizer, the state to evaluate and the (compiled) training step."""
     mx.random.seed(args.seed)
@@ -147,7 +179,9 @@ def make_trainer(args: Namespace, cfg: AssistantConfig, target: Target,
         load_checkpoint(ckpt, net, opt)
 
     def distill_loss(n, h, emb, kv, p, top, w):
-        return loss_fn(n, target, h, emb, kv, p, top, args.draft_steps, args.feature_weight, weights=w)
+        return loss_fn(
+            n, target, h, emb, kv, p, top, args.draft_steps, args.feature_weight, weights=w
+        )
 
     value_grad = nn.value_and_grad(net, distill_loss)
 
@@ -159,7 +193,9 @@ def make_trainer(args: Namespace, cfg: AssistantConfig, target: Target,
 
     state = [net.state, opt.state]
     # On the CPU compiling takes long and runs no faster: compile on a GPU only, unless told.
-    compile_ = args.compile if args.compile is not None else mx.default_device().type == mx.DeviceType.gpu
+    compile_ = (
+        args.compile if args.compile is not None else mx.default_device().type == mx.DeviceType.gpu
+    )
     if not compile_:
         return net, opt, state, update
     return net, opt, state, _FallbackStep(mx.compile(update, inputs=state, outputs=state), update)

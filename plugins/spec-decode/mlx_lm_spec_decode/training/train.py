@@ -84,8 +84,9 @@ def load_target_model(args: Namespace) -> tuple[nn.Module, object]:
     return model, tokenizer
 
 
-def drafter_config(args: Namespace, model: nn.Module, split: Optional[tuple], out: Path,
-                   ckpt: Optional[Path]) -> AssistantConfig:
+def drafter_config(
+    args: Namespace, model: nn.Module, split: Optional[tuple], out: Path, ckpt: Optional[Path]
+) -> AssistantConfig:
     """The drafter's shape for this target; a resumed run must be for the
     same target as the run it resumes (and keeps that run's fingerprint)."""
     cfg = make_config(model, args.layers, args.intermediate_size, args.donors, split=split)
@@ -102,24 +103,42 @@ def prepare_data(args: Namespace, model: nn.Module, tokenizer, out: Path, resumi
     saved = load_data(out, made_by, resuming)
     if saved is not None:
         return saved
-    tokens, files = read_corpus(tokenizer, args.data, args.patterns, args.max_data_tokens, progress=not args.quiet)
+    tokens, files = read_corpus(
+        tokenizer, args.data, args.patterns, args.max_data_tokens, progress=not args.quiet
+    )
     print(f"data: {len(tokens):,} tokens from {files} files", file=sys.stderr)
     chat = mask = None
     if args.generate:
         prompts = chat_prompts(tokenizer, tokens, args.generate, args.seed)
         t0 = time.perf_counter()
-        seqs = generate_chat(model, tokenizer, prompts, args.generate_tokens, batch_size=args.generate_batch,
-                             progress=not args.quiet, time_limit=args.generate_time_limit)
+        seqs = generate_chat(
+            model,
+            tokenizer,
+            prompts,
+            args.generate_tokens,
+            batch_size=args.generate_batch,
+            progress=not args.quiet,
+            time_limit=args.generate_time_limit,
+        )
         chat = np.concatenate([np.asarray(s, np.uint32) for s in seqs])
         mask = answer_mask(prompts, seqs)
-        print(f"generated: {len(seqs)} answers, {len(chat):,} tokens in {time.perf_counter() - t0:.0f}s",
-              file=sys.stderr)
+        print(
+            f"generated: {len(seqs)} answers, {len(chat):,} tokens "
+            f"in {time.perf_counter() - t0:.0f}s",
+            file=sys.stderr,
+        )
     save_data(out, made_by, tokens, chat, mask)
     return tokens, chat, mask
 
 
-def calibrate(args: Namespace, cfg: AssistantConfig, target: Target, batch: Batches, warm: int = 3,
-              timed: int = 8) -> int:
+def calibrate(
+    args: Namespace,
+    cfg: AssistantConfig,
+    target: Target,
+    batch: Batches,
+    warm: int = 3,
+    timed: int = 8,
+) -> int:
     """``--steps auto``: as many steps as fit in ``--time-limit`` at the
     speed of a few throwaway steps (the real run starts fresh after)."""
     args.steps = 1000  # any schedule: these steps are discarded
@@ -134,17 +153,23 @@ def calibrate(args: Namespace, cfg: AssistantConfig, target: Target, batch: Batc
         mx.eval(state, step_fn(*inputs, w))
     per_step = (time.perf_counter() - t0) / timed
     steps = max(10, int(0.9 * args.time_limit / per_step))
-    print(f"--steps auto: {per_step:.3f} s/step, {steps} steps fit in --time-limit {args.time_limit:g}s",
-          file=sys.stderr)
+    print(
+        f"--steps auto: {per_step:.3f} s/step, {steps} steps fit in "
+        f"--time-limit {args.time_limit:g}s",
+        file=sys.stderr,
+    )
     return steps
 
 
 def _describe(args, model, cfg, net, n_rows, n_chat_rows, evals):
     n_params = sum(v.size for _, v in tree_flatten(net.parameters()))
     held = ", ".join(f"{v[0].shape[0]} {k}" for k, v in evals.items()) or "none (too little data)"
-    print(f"assistant: {cfg.num_layers} layer(s), {n_params / 1e6:.2f}M parameters, donors {cfg.donors} "
-          f"(of {len(make_prompt_cache(model))} caches); {n_rows} text + {n_chat_rows} chat sequences "
-          f"of {args.seq_len} tokens; held out: " + held, file=sys.stderr)
+    print(
+        f"assistant: {cfg.num_layers} layer(s), {n_params / 1e6:.2f}M parameters, "
+        f"donors {cfg.donors} (of {len(make_prompt_cache(model))} caches); "
+        f"{n_rows} text + {n_chat_rows} chat sequences of {args.seq_len} tokens; held out: " + held,
+        file=sys.stderr,
+    )
 
 
 # -------------------------------------------------------------- training
@@ -168,22 +193,33 @@ class Session:
         save(self.out, self.net, self.cfg)
         res = None
         if self.evals:
-            res = evaluate(self.net, self.target, self.evals, self.args.draft_steps, self.args.feature_weight)
+            res = evaluate(
+                self.net, self.target, self.evals, self.args.draft_steps, self.args.feature_weight
+            )
         if res:
             with open(self.out / EVAL_FILE, "a") as f:
                 f.write(json.dumps({"step": step, **res}) + "\n")
             tqdm.write(f"step {step}: held-out top-1 agreement: {_eval_line(res)}", file=sys.stderr)
         self.last_step, self.last_eval = step, res
 
-    def train(self, batch: Batches, state: list, step_fn: StepFn, start: int) -> tuple[int, Optional[str]]:
+    def train(
+        self, batch: Batches, state: list, step_fn: StepFn, start: int
+    ) -> tuple[int, Optional[str]]:
         """Steps from ``start`` to ``--steps`` (or until a limit or Ctrl-C),
         each logged; returns the last step and why it stopped early, if it did."""
         from tqdm import tqdm
 
         args = self.args
         logf = open(self.out / LOG_FILE, "a")
-        bar = tqdm(total=args.steps, initial=start, desc="train-drafter", unit=" steps", disable=args.quiet,
-                   file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(
+            total=args.steps,
+            initial=start,
+            desc="train-drafter",
+            unit=" steps",
+            disable=args.quiet,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
         t0 = last_save = time.perf_counter()
         ema = ema_top1 = None
         step, stop = start, None
@@ -193,9 +229,14 @@ class Session:
                 step += 1
                 logf.write(json.dumps(rec) + "\n")
                 ema = rec["loss"] if ema is None else 0.9 * ema + 0.1 * rec["loss"]
-                ema_top1 = rec["top1"][0] if ema_top1 is None else 0.9 * ema_top1 + 0.1 * rec["top1"][0]
-                bar.set_postfix(loss=f"{ema:.3f}", top1=f"{ema_top1:.3f}",
-                                **{f"top1@{i + 2}": f"{a:.2f}" for i, a in enumerate(rec["top1"][1:])})
+                ema_top1 = (
+                    rec["top1"][0] if ema_top1 is None else 0.9 * ema_top1 + 0.1 * rec["top1"][0]
+                )
+                bar.set_postfix(
+                    loss=f"{ema:.3f}",
+                    top1=f"{ema_top1:.3f}",
+                    **{f"top1@{i + 2}": f"{a:.2f}" for i, a in enumerate(rec["top1"][1:])},
+                )
                 bar.update(1)
                 now = time.perf_counter()
                 stop = self._limit(step, start, now - t0)
@@ -221,9 +262,14 @@ class Session:
         loss, ces, accs = step_fn(*inputs, w)
         mx.eval(state, loss, ces, accs)
         lr = self.opt.learning_rate
-        return {"step": step + 1, "loss": loss.item(), "ce": ces.tolist(), "top1": accs.tolist(),
-                "lr": float(lr.item()) if isinstance(lr, mx.array) else self.args.lr,
-                "time": round(time.perf_counter() - t0, 2)}
+        return {
+            "step": step + 1,
+            "loss": loss.item(),
+            "ce": ces.tolist(),
+            "top1": accs.tolist(),
+            "lr": float(lr.item()) if isinstance(lr, mx.array) else self.args.lr,
+            "time": round(time.perf_counter() - t0, 2),
+        }
 
     def _limit(self, step, start, elapsed):
         """Why to stop after ``step`` (``--time-limit``, ``--stop-after``), or None."""
@@ -238,15 +284,27 @@ class Session:
         out, args = self.out, self.args
         if step > start:
             tail = ckpt_mod.tail_metrics(out / LOG_FILE, step)
-            print(f"step {step}/{args.steps} in {elapsed:.0f}s ({(step - start) / max(elapsed, 1e-9):.2f} steps/s); "
-                  f"last 20 steps: loss {tail['loss']:.3f}, top-1 agreement {_per_step(tail['top1'])}",
-                  file=sys.stderr)
+            rate = (step - start) / max(elapsed, 1e-9)
+            print(
+                f"step {step}/{args.steps} in {elapsed:.0f}s ({rate:.2f} steps/s); last 20 steps: "
+                f"loss {tail['loss']:.3f}, top-1 agreement {_per_step(tail['top1'])}",
+                file=sys.stderr,
+            )
             if self.last_eval and self.last_step == step:
-                print("held-out top-1 agreement (what decoding such text accepts): "
-                      + _eval_line(self.last_eval, rows=True), file=sys.stderr)
+                print(
+                    "held-out top-1 agreement (what decoding such text accepts): "
+                    + _eval_line(self.last_eval, rows=True),
+                    file=sys.stderr,
+                )
         if stop:
-            print(f"stopped at step {step} ({stop}); run the same command again to continue", file=sys.stderr)
-        print(f"drafter saved in {out} (use: --drafter assistant --drafter-path {out})", file=sys.stderr)
+            print(
+                f"stopped at step {step} ({stop}); run the same command again to continue",
+                file=sys.stderr,
+            )
+        print(
+            f"drafter saved in {out} (use: --drafter assistant --drafter-path {out})",
+            file=sys.stderr,
+        )
 
 
 def _per_step(values):
@@ -255,5 +313,7 @@ def _per_step(values):
 
 def _eval_line(res, rows=False):
     """Held-out top-1 agreement per data kind and draft step, one line."""
-    return "; ".join(f"{EVAL_NAMES[k]}" + (f" ({r['rows']} rows)" if rows else "") + f" {_per_step(r['top1'])}"
-                     for k, r in res.items())
+    return "; ".join(
+        f"{EVAL_NAMES[k]}" + (f" ({r['rows']} rows)" if rows else "") + f" {_per_step(r['top1'])}"
+        for k, r in res.items()
+    )
