@@ -21,13 +21,16 @@ mlx-lm. Hooks that run while a server is serving (prompt cache, drafter) must
 not raise for I/O trouble: degrade and log instead.
 """
 
+import argparse
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
 import pluggy
 
 hookspec = pluggy.HookspecMarker("mlx_lm_ext")
 
 
 @hookspec
-def commands():
+def commands() -> List[str]:
     """Return the commands this plugin extends, e.g. ``["server"]``.
 
     Used by ``mlx-lm-ext plugins`` and to refuse a plugin named on a command
@@ -36,7 +39,7 @@ def commands():
 
 
 @hookspec
-def add_arguments(command, group):
+def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
     """Add this plugin's flags for ``command`` to ``group``.
 
     ``group`` is an ``argparse`` argument group titled after the plugin, so
@@ -48,7 +51,7 @@ def add_arguments(command, group):
 
 
 @hookspec
-def activate(command, args):
+def activate(command: str, args: argparse.Namespace) -> Any:
     """Turn the plugin on for ``command`` with the parsed arguments ``args``.
 
     Called once per process after parsing (for lora: after the YAML merge),
@@ -61,12 +64,14 @@ def activate(command, args):
 
 
 @hookspec
-def deactivate():
+def deactivate() -> None:
     """Undo ``activate`` (``mlx_lm_ext.disable``); restore what was patched."""
 
 
 @hookspec(firstresult=True)
-def make_prompt_cache(args, options, max_size, max_bytes):
+def make_prompt_cache(
+    args: Optional[argparse.Namespace], options: Any, max_size: int, max_bytes: int
+) -> Any:
     """Return the server's prompt cache, or ``None`` to leave it alone.
 
     Called where ``mlx_lm.server`` builds ``LRUPromptCache(max_size,
@@ -79,7 +84,9 @@ def make_prompt_cache(args, options, max_size, max_bytes):
 
 
 @hookspec
-def model_loaded(command, model_key, model, draft_model, tokenizer):
+def model_loaded(
+    command: str, model_key: Any, model: Any, draft_model: Any, tokenizer: Any
+) -> None:
     """A model was loaded: ``mlx_lm.server`` (at start-up or for a request).
 
     ``model_key`` is the server's key ``(model, adapter, draft model)``, the
@@ -90,7 +97,7 @@ def model_loaded(command, model_key, model, draft_model, tokenizer):
 
 
 @hookspec
-def prompt_cache_classes():
+def prompt_cache_classes() -> List[type]:
     """Return the cache classes this plugin appends to prompt cache lists.
 
     A plugin whose state rides in the prompt cache after the model's own
@@ -102,7 +109,14 @@ def prompt_cache_classes():
 
 
 @hookspec(firstresult=True)
-def make_drafter(command, model, tokenizer, draft_model, args, options):
+def make_drafter(
+    command: str,
+    model: Any,
+    tokenizer: Any,
+    draft_model: Any,
+    args: Optional[argparse.Namespace],
+    options: Any,
+) -> Any:
     """Return a drafter for speculative decoding, or ``None``.
 
     Called once the target model (and mlx-lm's own ``--draft-model``, passed
@@ -115,7 +129,9 @@ def make_drafter(command, model, tokenizer, draft_model, args, options):
 
 
 @hookspec(firstresult=True)
-def speculative_generate_step(prompt, model, drafter, kwargs):
+def speculative_generate_step(
+    prompt: Any, model: Any, drafter: Any, kwargs: Dict[str, Any]
+) -> Optional[Iterator[Tuple[int, Any, bool]]]:
     """Return a generator for mlx-lm's speculative path, or ``None``.
 
     Called for every call of ``mlx_lm.generate.speculative_generate_step``
@@ -131,7 +147,9 @@ def speculative_generate_step(prompt, model, drafter, kwargs):
 
 
 @hookspec(firstresult=True)
-def make_loss(name, model, args, options):
+def make_loss(
+    name: str, model: Any, args: argparse.Namespace, options: Any
+) -> Optional[Callable]:
     """Return a training loss for ``--loss name``, or ``None``.
 
     The loss has mlx-lm's ``default_loss(model, batch, lengths)`` signature
@@ -141,7 +159,7 @@ def make_loss(name, model, args, options):
 
 
 @hookspec
-def usage_fields(info):
+def usage_fields(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Return fields to merge into a server response's ``usage``, or ``None``.
 
     ``info`` is the request's dict from ``mlx_lm_ext.host.request_info()``,
@@ -151,7 +169,7 @@ def usage_fields(info):
 
 
 @hookspec
-def report_lines(command, source):
+def report_lines(command: str, source: Any) -> Optional[List[str]]:
     """Return lines to add to mlx-lm's own report, or ``None``.
 
     ``command == "generate"``: printed after ``mlx_lm.generate --verbose``'s
@@ -162,7 +180,7 @@ def report_lines(command, source):
 
 
 @hookspec
-def add_subcommands(subparsers):
+def add_subcommands(subparsers: Any) -> None:
     """Add subcommands to the ``mlx-lm-ext`` command.
 
     Each added parser must ``set_defaults(func=callable)``; the callable gets
@@ -171,5 +189,5 @@ def add_subcommands(subparsers):
 
 
 @hookspec
-def doctor():
+def doctor() -> List[Tuple[str, str]]:
     """Return ``[(label, value), ...]`` lines for ``mlx-lm-ext doctor``."""
