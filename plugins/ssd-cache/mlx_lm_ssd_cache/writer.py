@@ -1,4 +1,4 @@
-"""The writer thread: every file the tier makes or touches is handled here, in order.
+"""The writer thread, and the jobs that write: entry files, touches, the fingerprint note.
 
 ``Writer`` runs submitted jobs one at a time on a daemon thread at a lower
 priority than generation, and runs an idle job (a rescan) when nothing was
