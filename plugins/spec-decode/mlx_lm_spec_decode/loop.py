@@ -135,11 +135,8 @@ class VerifyLoop:
             raise ValueError("speculative decoding needs a non-empty prompt")
         self.tokens, self.model, self.drafter = tokens, model, drafter
         self.max_tokens, self.prefill_step_size = max_tokens, prefill_step_size
-        self.kv_bits, self.kv_group_size, self.quantized_kv_start = (
-            kv_bits,
-            kv_group_size,
-            quantized_kv_start,
-        )
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.quantized_kv_start = quantized_kv_start
         self.n_t = n_target_caches(model)
         if prompt_cache is None:
             prompt_cache = make_prompt_cache(model) + drafter.make_cache()
@@ -168,12 +165,10 @@ class VerifyLoop:
         self.context = list(tokens) if logits_processors else None
         self.match_checked = False  # a custom sampler is checked once, on the first verify
         self.emitted = 0  # tokens yielded
-        self.told = (
-            0  # tokens the drafter was told of (more than yielded if the consumer stops early)
-        )
-        self.y = tokens[
-            -1
-        ]  # the pending token: emitted (or the prompt's last), not yet fed to the target
+        # Tokens the drafter was told of: more than yielded if the consumer stops early.
+        self.told = 0
+        # The pending token: emitted (or the prompt's last), not yet fed to the target.
+        self.y = tokens[-1]
         self.warned = False
         self.misses = 0  # drafting rounds in a row with nothing proposed
         self.start = _offset(self.target_cache)
@@ -253,7 +248,7 @@ class VerifyLoop:
                 self.ctl.off_for = 0
                 yield from self.plain(n)
                 continue
-            yield from self.round(remaining, room)
+            yield from self.draft_round(remaining, room)
 
     def settle(self) -> None:
         """Leave target and drafter caches holding exactly prompt + yielded tokens."""
@@ -275,7 +270,7 @@ class VerifyLoop:
 
     # ------------------------------------------------------- one round
 
-    def round(self, remaining: int, room: int) -> Iterator[Step]:
+    def draft_round(self, remaining: int, room: int) -> Iterator[Step]:
         """Draft up to γ tokens, verify them in one target forward, keep the
         accepted prefix and the target's own next token."""
         k_req = min(self.ctl.want(), self._draft_limit(remaining, room))

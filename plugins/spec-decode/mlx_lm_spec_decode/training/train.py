@@ -31,6 +31,7 @@ SAVE_SECONDS = 120  # a checkpoint at least this often, whatever --save-every sa
 
 
 def train(args: Namespace) -> int:
+    """Train (or resume training) a drafter into ``--out``; 0 when done."""
     out = Path(args.out)
     ckpt, run = open_out(args, out)
     model, tokenizer = load_target_model(args)
