@@ -4,10 +4,12 @@ A backend is ``per_token(head, hidden, targets, opts, train) -> [N] float32``
 (``hidden`` ``[N, H]``, ``targets`` ``[N]`` in range, ``head`` a
 ``heads.Head`` of kind dense or quantized, ``opts`` a
 ``portable.Options``, ``train`` which head parts get gradients) with
-gradients for ``hidden`` and the head's trainable arrays. ``"auto"`` picks the available backend of highest
-priority; the pure-MLX ``"mlx"`` backend runs everywhere. A fused kernel
-(for example CUDA) registers itself here and takes over on its hardware
-without changing the public call.
+gradients for ``hidden`` and the head's trainable arrays. The public
+call's ``backend="auto"`` measures the candidates (``autotune``);
+``resolve("auto")`` here, the highest-priority available backend, serves
+what the trial does not cover (a ``vocab_chunk`` set by the caller, a head
+with a bias or LoRA, the gradient filters). The pure-MLX ``"mlx"`` backend
+runs everywhere.
 """
 
 import mlx.core as mx
@@ -76,7 +78,7 @@ def mlx_per_token(head, hidden, targets, opts, train=None):
         return portable.per_token(head, hidden, targets, opts, train)
     if not opts.vocab_chunk:
         opts = opts._replace(token_chunk=GPU_TOKEN_CHUNK, vocab_chunk=GPU_VOCAB_CHUNK)
-    if opts.elementwise not in ("mlx", "mlx-f32", "mlx-gemmsum"):
+    if opts.elementwise not in ("mlx", "mlx-f32"):
         opts = opts._replace(elementwise="mlx")
     return cuda_gemm.per_token(head, hidden, targets, opts, train)
 

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_CHUNK = 8192  # used unless the caller sets vocab_chunk (then token_chunk, vocab_chunk)
 VOCAB_CHUNK = 8192
-ELEMENTWISE = ("auto", "kernel", "mlx", "mlx-f32", "mlx-gemmsum")
+ELEMENTWISE = ("auto", "kernel", "mlx", "mlx-f32")
 NEG_INF_BITS = "0xff800000"
 
 # One thread block per token row of a [rows, cols] logit block: max, then
@@ -205,7 +205,6 @@ class Config(NamedTuple):
     kernel: bool  # the CUDA row kernel for the elementwise step (else compiled MLX)
     train_weight: bool
     lean: bool = True  # the MLX step without float32 [Tc, Vc] arrays (see mlx_step)
-    gemm_sum: bool = False  # the row sums of P from the P @ W product (see _gemm_sum_step)
 
 
 def _row_kernel():
@@ -276,29 +275,6 @@ def mlx_step(cfg, lean=True):
 _LEAN = {}
 
 
-def _gemm_sum_step(scale):
-    """``(r, m) -> (m', a, P)``: the lean step without its sum, which comes from
-    ``P @ [W | 1]`` (one reduction less per block; the sum is as precise as
-    the product's output dtype)."""
-    key = ("gemm-sum", scale)
-    if key not in _LEAN:
-
-        def step(r, m):
-            top = r.max(axis=1).astype(mx.float32)
-            m_new = mx.maximum(m, top if scale is None else top * scale)
-            z = r.astype(mx.float32) if scale is None else r.astype(mx.float32) * scale
-            p = mx.exp(z - m_new[:, None])
-            return m_new, mx.exp(m - m_new), (p if scale is None else p * scale).astype(r.dtype)
-
-        _LEAN[key] = mx.compile(step)
-    return _LEAN[key]
-
-
-def _ones_column(rows, dtype):
-    """``[rows, 8]``: a column of ones and seven zeros (keeps ``H + 8`` aligned for the GEMM)."""
-    return mx.concatenate([mx.ones((rows, 1), dtype=dtype), mx.zeros((rows, 7), dtype=dtype)], axis=1)
-
-
 def _accumulate(acc, a, pw):
     return acc * a[:, None] + pw.astype(mx.float32)
 
@@ -344,14 +320,6 @@ def _forward(cfg, h, t, arrays):
             x = mx.depends(hc, gate) if gate else hc
             w = _rows(cfg, arrays, v0, v1)
             z = x @ w.T
-            if cfg.gemm_sum:
-                m, a, p = _gemm_sum_step(cfg.logit_scale)(z, m)
-                pw = p @ mx.concatenate([w, _ones_column(w.shape[0], w.dtype)], axis=1)
-                s = pw[:, -8].astype(mx.float32)
-                l = l * a + (s if cfg.logit_scale is None else s / cfg.logit_scale)
-                acc = _ACCUMULATE(acc, a, pw[:, :-8])
-                gate = [acc, l]
-                continue
             if cfg.kernel:
                 m, a, l, p = kernel_step(z, m, l, cfg.softcap, cfg.logit_scale)
             elif cfg.with_grad:
@@ -446,7 +414,7 @@ def use_kernel(opts, dtype):
     how = getattr(opts, "elementwise", None) or "auto"
     if how not in ELEMENTWISE:
         raise ValueError(f"elementwise must be one of {', '.join(ELEMENTWISE)}, got {how!r}")
-    if how in ("mlx", "mlx-f32", "mlx-gemmsum"):
+    if how in ("mlx", "mlx-f32"):
         return False
     ok = on_cuda() and dtype in (mx.bfloat16, mx.float16, mx.float32)
     if how == "kernel" and not ok:
@@ -473,7 +441,5 @@ def per_token(head, hidden, targets, opts, train=None):
         with_grad=opts.with_grad, compute_dtype=cd, kernel=opts.with_grad and use_kernel(opts, cd),
         train_weight=head.kind == "dense" and bool(train.get("weight", True)),
         lean=getattr(opts, "elementwise", None) != "mlx-f32",
-        gemm_sum=(getattr(opts, "elementwise", None) == "mlx-gemmsum" and opts.with_grad and opts.softcap is None
-                  and (opts.logit_scale is None or opts.logit_scale > 0)),
     )
     return _core(cfg)(hidden, targets.astype(mx.int32), *values)[0]
