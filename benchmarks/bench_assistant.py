@@ -41,15 +41,13 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-
-import mlx_lm_ext
+from bench_spec_decode import passage, stdlib_function  # the same grounded prompts
 from mlx_lm import load, stream_generate
 
+import mlx_lm_ext
 import mlx_lm_spec_decode as sd
 from mlx_lm_spec_decode import assistant
 from mlx_lm_spec_decode.training.distill import Target
-
-from bench_spec_decode import passage, stdlib_function  # the same grounded prompts
 
 # The loop's drafts, recorded: test instrumentation, kept with the plugin's tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "spec-decode" / "tests"))
@@ -58,15 +56,33 @@ from assistant_recording import RecordingDrafter  # noqa: E402
 
 def prompts():
     return [
-        ("grounded", "edit code", "Here is a function from Python's standard library:\n\n"
-         + stdlib_function("textwrap", "indent")
-         + "\nRewrite this function, renaming the parameter `prefix` to `margin`. Output the complete code only."),
-        ("grounded", "quote passage", "Read this passage:\n\n" + passage()
-         + "\n\nWho created Python, and where? Answer with exact quotes from the passage."),
-        ("open", "story", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+        (
+            "grounded",
+            "edit code",
+            "Here is a function from Python's standard library:\n\n"
+            + stdlib_function("textwrap", "indent")
+            + "\nRewrite this function, renaming the parameter `prefix` to `margin`."
+            " Output the complete code only.",
+        ),
+        (
+            "grounded",
+            "quote passage",
+            "Read this passage:\n\n"
+            + passage()
+            + "\n\nWho created Python, and where? Answer with exact quotes from the passage.",
+        ),
+        (
+            "open",
+            "story",
+            "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        ),
         ("open", "explain", "Explain to a child why the sky is blue and why sunsets are red."),
         ("open", "advice", "I am starting to learn to cook. What should I learn first, and why?"),
-        ("open", "letter", "Write a friendly letter to a neighbour inviting them to a garden party."),
+        (
+            "open",
+            "letter",
+            "Write a friendly letter to a neighbour inviting them to a garden party.",
+        ),
     ]
 
 
@@ -79,14 +95,18 @@ def enable_plugin():
     try:
         mlx_lm_ext.enable("spec-decode")
     except PluginError:
-        plugins.manager().register(importlib.import_module("mlx_lm_spec_decode.plugin"), name="spec-decode")
+        plugins.manager().register(
+            importlib.import_module("mlx_lm_spec_decode.plugin"), name="spec-decode"
+        )
         mlx_lm_ext.enable("spec-decode")
 
 
 def run(model, tok, prompt, max_tokens, draft=None, k=3):
     mx.random.seed(0)
     text, last = "", None
-    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k):
+    for r in stream_generate(
+        model, tok, prompt, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k
+    ):
         text += r.text
         last = r
     stats = sd.last_stats() if isinstance(draft, sd.Drafter) else None
@@ -94,25 +114,33 @@ def run(model, tok, prompt, max_tokens, draft=None, k=3):
 
 
 def measure(model, tok, prompt, max_tokens, make, k, repeats):
-    runs = [run(model, tok, prompt, max_tokens, make() if make else None, k) for _ in range(repeats)]
+    runs = [
+        run(model, tok, prompt, max_tokens, make() if make else None, k) for _ in range(repeats)
+    ]
     tps = statistics.median(r[1] for r in runs)
     return runs[0][0], tps, runs[0][2]
 
 
 def table(rows):
-    head = (f"| {'prompt':<22} | {'method':<12} | {'tok/s':>7} | {'vs stock':>8} | {'accept':>6} | "
-            f"{'tok/fwd':>7} | same |")
+    head = (
+        f"| {'prompt':<22} | {'method':<12} | {'tok/s':>7} | {'vs stock':>8} | {'accept':>6} | "
+        f"{'tok/fwd':>7} | same |"
+    )
     out = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
-        out.append(f"| {r['prompt']:<22} | {r['method']:<12} | {r['tps']:7.1f} | {r['ratio']:7.2f}x | "
-                   f"{r['accept']:>6} | {r['tpf']:>7} | {r['same']:<4} |")
+        out.append(
+            f"| {r['prompt']:<22} | {r['method']:<12} | {r['tps']:7.1f} | {r['ratio']:7.2f}x | "
+            f"{r['accept']:>6} | {r['tpf']:>7} | {r['same']:<4} |"
+        )
     return "\n".join(out)
 
 
 def summary(rows, methods):
     """Per category: geometric-mean speed ratio and pooled acceptance."""
-    out = ["| category | method | speed vs stock (geo. mean) | acceptance | tok/fwd | all same |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        "| category | method | speed vs stock (geo. mean) | acceptance | tok/fwd | all same |",
+        "|---|---|---|---|---|---|",
+    ]
     result = {}
     for cat in ("grounded", "open"):
         for m in methods:
@@ -128,16 +156,24 @@ def summary(rows, methods):
             tpf = f"{emitted / forwards:.2f}" if forwards else "1.00"
             same = all(r["same"] in ("yes", "-") for r in rs)
             out.append(f"| {cat} | {m} | {geo:.2f}x | {acc} | {tpf} | {'yes' if same else 'NO'} |")
-            result[f"{cat}/{m}"] = dict(speed=geo, acceptance=accepted / drafted if drafted else None,
-                                        tokens_per_forward=emitted / forwards if forwards else 1.0, same=same)
+            result[f"{cat}/{m}"] = dict(
+                speed=geo,
+                acceptance=accepted / drafted if drafted else None,
+                tokens_per_forward=emitted / forwards if forwards else 1.0,
+                same=same,
+            )
     return "\n".join(out), result
 
 
 def graph_check(model, made, path, prompt, max_tokens, k):
     """Decode drafting every round; recompute each drafted state with the training graph."""
     rec = RecordingDrafter(made, max_draft=k, adaptive=False, auto_off=False)
-    out = [t for t, _, _ in sd.speculative_generate_step(mx.array(prompt), model, rec, num_draft_tokens=k,
-                                                         max_tokens=max_tokens)]
+    out = [
+        t
+        for t, _, _ in sd.speculative_generate_step(
+            mx.array(prompt), model, rec, num_draft_tokens=k, max_tokens=max_tokens
+        )
+    ]
     st = sd.last_stats()
     seq = list(prompt) + out
     cfg = made.cfg
@@ -163,39 +199,87 @@ def graph_check(model, made, path, prompt, max_tokens, k):
                 break
             compared += 1
             differ += toks[s] != preds[s][base + s]
-            dmax = max(dmax, mx.abs(o.astype(mx.float32) - graph[s][:, base + s : base + s + 1]).max().item())
+            dmax = max(
+                dmax,
+                mx.abs(o.astype(mx.float32) - graph[s][:, base + s : base + s + 1]).max().item(),
+            )
     n = len(rec.rounds)
-    return dict(graph_top1=agree, rounds=n, first_accept=first_ok / n if n else None,
-                accept=st.acceptance, compared=compared, differ=differ, max_state_diff=dmax)
+    return dict(
+        graph_top1=agree,
+        rounds=n,
+        first_accept=first_ok / n if n else None,
+        accept=st.acceptance,
+        compared=compared,
+        differ=differ,
+        max_state_diff=dmax,
+    )
 
 
 def check_table(rows):
-    out = ["| prompt | graph top-1 (step 1, 2, 3) | decode: first draft accepted | decode: accepted/drafted "
-           "| drafts compared | differ from graph | max state diff |", "|---|---|---|---|---|---|---|"]
+    out = [
+        "| prompt | graph top-1 (step 1, 2, 3) | decode: first draft accepted "
+        "| decode: accepted/drafted "
+        "| drafts compared | differ from graph | max state diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         c = r["check"]
         fa = f"{100 * c['first_accept']:.0f}% of {c['rounds']}" if c["rounds"] else "-"
-        out.append(f"| {r['prompt']} | " + ", ".join(f"{100 * a:.0f}%" for a in c["graph_top1"])
-                   + f" | {fa} | {100 * c['accept']:.0f}% | {c['compared']} | {c['differ']} | {c['max_state_diff']:.2g} |")
+        out.append(
+            f"| {r['prompt']} | "
+            + ", ".join(f"{100 * a:.0f}%" for a in c["graph_top1"])
+            + f" | {fa} | {100 * c['accept']:.0f}% | {c['compared']} | {c['differ']}"
+            + f" | {c['max_state_diff']:.2g} |"
+        )
     return "\n".join(out)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafter-path", required=True, help="A trained assistant drafter folder for the target.")
-    p.add_argument("--model", default=None, help="Target model folder. Default: SmolLM2-135M float32 (built offline).")
-    p.add_argument("--draft-model", default=None,
-                   help="Draft model for 'draft-model'. Default: SmolLM2-135M native 4-bit; 'none' to skip.")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="Cast the target (e.g. bfloat16 on a GPU). Default: as loaded.")
+    p.add_argument(
+        "--drafter-path", required=True, help="A trained assistant drafter folder for the target."
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Target model folder. Default: SmolLM2-135M float32 (built offline).",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="Draft model for 'draft-model'. Default: SmolLM2-135M native 4-bit; 'none' to skip.",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="Cast the target (e.g. bfloat16 on a GPU). Default: as loaded.",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="Starting draft length (all drafters). Default: 3.")
-    p.add_argument("--repeats", type=int, default=1, help="Timed runs per method and prompt (median). Default: 1.")
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=3,
+        help="Starting draft length (all drafters). Default: 3.",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="Timed runs per method and prompt (median). Default: 1.",
+    )
     p.add_argument("--only", nargs="*", help="Substrings of prompt names or categories to run.")
-    p.add_argument("--methods", default="ngram,draft-model,assistant", help="Comma-separated drafters to compare.")
+    p.add_argument(
+        "--methods",
+        default="ngram,draft-model,assistant",
+        help="Comma-separated drafters to compare.",
+    )
     p.add_argument("--json", default=None, help="Write the rows and summary to this file.")
-    p.add_argument("--check", action="store_true",
-                   help="Also decode drafting every round and compare each draft with the training graph's.")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="Also decode drafting every round and compare each draft with the training graph's.",
+    )
     args = p.parse_args()
 
     from mlx_lm_ext import models
@@ -218,13 +302,18 @@ def main():
     cfg = assistant.read_config(args.drafter_path)
     state = Path(args.drafter_path, "checkpoint", "state.json")
     trained = json.loads(state.read_text())["step"] if state.is_file() else "?"
-    print(f"# {Path(str(target_path)).name} ({args.dtype or 'as loaded'}) on {mx.default_device()}, "
-          f"{platform.machine()}; {args.max_tokens} tokens, greedy, k={args.num_draft_tokens}, "
-          f"median of {args.repeats}; assistant: {cfg.num_layers} layer(s), donors {cfg.donors}, "
-          f"{trained} training steps\n", flush=True)
+    print(
+        f"# {Path(str(target_path)).name} ({args.dtype or 'as loaded'}) on {mx.default_device()}, "
+        f"{platform.machine()}; {args.max_tokens} tokens, greedy, k={args.num_draft_tokens}, "
+        f"median of {args.repeats}; assistant: {cfg.num_layers} layer(s), donors {cfg.donors}, "
+        f"{trained} training steps\n",
+        flush=True,
+    )
 
     # Warm-up: first calls of each shape compile kernels (GPU) and fill caches.
-    warm = tok.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True)
+    warm = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hello."}], add_generation_prompt=True
+    )
     run(target, tok, warm, 16)
     for make in drafters.values():
         run(target, tok, warm, 16, make(), args.num_draft_tokens)
@@ -235,34 +324,78 @@ def main():
         label = f"{cat}: {name}"
         if args.only and not any(s in label for s in args.only):
             continue
-        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        base_text, base_tps, _ = measure(target, tok, prompt, args.max_tokens, None, args.num_draft_tokens,
-                                         args.repeats)
-        rows.append(dict(category=cat, prompt=label, method="stock", tps=base_tps, ratio=1.0, accept="",
-                         tpf="1.00", same="-"))
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        base_text, base_tps, _ = measure(
+            target, tok, prompt, args.max_tokens, None, args.num_draft_tokens, args.repeats
+        )
+        rows.append(
+            dict(
+                category=cat,
+                prompt=label,
+                method="stock",
+                tps=base_tps,
+                ratio=1.0,
+                accept="",
+                tpf="1.00",
+                same="-",
+            )
+        )
         for m, make in drafters.items():
-            text_m, tps, st = measure(target, tok, prompt, args.max_tokens, make, args.num_draft_tokens, args.repeats)
-            row = dict(category=cat, prompt=label, method=m + ("*" if st.auto_off else ""), tps=tps,
-                       ratio=tps / base_tps, same="yes" if text_m == base_text else "NO",
-                       accept=f"{100 * st.acceptance:.0f}%", tpf=f"{st.tokens_per_forward:.2f}",
-                       drafted=st.drafted, accepted=st.accepted, forwards=st.forwards, emitted=st.emitted)
+            text_m, tps, st = measure(
+                target, tok, prompt, args.max_tokens, make, args.num_draft_tokens, args.repeats
+            )
+            row = dict(
+                category=cat,
+                prompt=label,
+                method=m + ("*" if st.auto_off else ""),
+                tps=tps,
+                ratio=tps / base_tps,
+                same="yes" if text_m == base_text else "NO",
+                accept=f"{100 * st.acceptance:.0f}%",
+                tpf=f"{st.tokens_per_forward:.2f}",
+                drafted=st.drafted,
+                accepted=st.accepted,
+                forwards=st.forwards,
+                emitted=st.emitted,
+            )
             rows.append(row)
-        print(table(rows[-1 - len(drafters):]) + "\n", flush=True)
+        print(table(rows[-1 - len(drafters) :]) + "\n", flush=True)
         if args.check and "assistant" in drafters:
-            c = graph_check(target, made, args.drafter_path, prompt, args.max_tokens, args.num_draft_tokens)
+            c = graph_check(
+                target, made, args.drafter_path, prompt, args.max_tokens, args.num_draft_tokens
+            )
             checks.append(dict(category=cat, prompt=label, check=c))
             print(check_table(checks[-1:]) + "\n", flush=True)
     text, result = summary(rows, list(drafters))
-    print("# all prompts\n\n" + table(rows) + "\n\n# summary (* = drafting switched itself off)\n\n" + text)
+    print(
+        "# all prompts\n\n"
+        + table(rows)
+        + "\n\n# summary (* = drafting switched itself off)\n\n"
+        + text
+    )
     if checks:
-        print("\n# decode vs training graph (--check; drafting every round, k fixed)\n\n" + check_table(checks))
+        print(
+            "\n# decode vs training graph (--check; drafting every round, k fixed)\n\n"
+            + check_table(checks)
+        )
     print(f"\n({time.perf_counter() - t0:.0f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(rows=rows, summary=result, checks=checks,
-                                                   device=str(mx.default_device()),
-                                                   dtype=args.dtype, max_tokens=args.max_tokens,
-                                                   drafter=dict(layers=cfg.num_layers, donors=cfg.donors,
-                                                                steps=trained)), indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                dict(
+                    rows=rows,
+                    summary=result,
+                    checks=checks,
+                    device=str(mx.default_device()),
+                    dtype=args.dtype,
+                    max_tokens=args.max_tokens,
+                    drafter=dict(layers=cfg.num_layers, donors=cfg.donors, steps=trained),
+                ),
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

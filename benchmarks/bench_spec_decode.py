@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-
-import mlx_lm_ext
-from mlx_lm_ext import models
 from mlx_lm import load, stream_generate
 
+import mlx_lm_ext
 import mlx_lm_spec_decode as sd
+from mlx_lm_ext import models
 
 SHOW_TEXT = False
 
@@ -59,15 +58,30 @@ def prompts():
     edit = stdlib_function("textwrap", "indent")
     edit2 = stdlib_function("bisect", "insort_right")
     return [
-        ("grounded: edit code", "Here is a function from Python's standard library:\n\n" + edit
-         + "\nRewrite this function, renaming the parameter `prefix` to `margin`. "
-         "Output the complete code only."),
-        ("grounded: edit code 2", "Here is a function:\n\n" + edit2
-         + "\nAdd type hints to this function. Output the complete function, "
-         "including its docstring, and nothing else."),
-        ("grounded: quote passage", "Read this passage:\n\n" + passage()
-         + "\n\nWho created Python, and where? Answer with exact quotes from the passage."),
-        ("open: chat", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+        (
+            "grounded: edit code",
+            "Here is a function from Python's standard library:\n\n"
+            + edit
+            + "\nRewrite this function, renaming the parameter `prefix` to `margin`. "
+            "Output the complete code only.",
+        ),
+        (
+            "grounded: edit code 2",
+            "Here is a function:\n\n"
+            + edit2
+            + "\nAdd type hints to this function. Output the complete function, "
+            "including its docstring, and nothing else.",
+        ),
+        (
+            "grounded: quote passage",
+            "Read this passage:\n\n"
+            + passage()
+            + "\n\nWho created Python, and where? Answer with exact quotes from the passage.",
+        ),
+        (
+            "open: chat",
+            "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        ),
         ("open: explain", "Explain to a child why the sky is blue and why sunsets are red."),
     ]
 
@@ -76,8 +90,9 @@ def run(model, tok, prompt, max_tokens, draft=None, k=3):
     mx.random.seed(0)
     text, last = "", None
     t0 = time.perf_counter()
-    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, draft_model=draft,
-                             num_draft_tokens=k):
+    for r in stream_generate(
+        model, tok, prompt, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k
+    ):
         text += r.text
         last = r
     wall = time.perf_counter() - t0
@@ -86,7 +101,10 @@ def run(model, tok, prompt, max_tokens, draft=None, k=3):
 
 
 def table(rows):
-    head = f"| {'prompt':<24} | {'method':<12} | {'tok/s':>6} | {'vs stock':>8} | {'accept':>6} | {'tok/fwd':>7} | same |"
+    head = (
+        f"| {'prompt':<24} | {'method':<12} | {'tok/s':>6} | {'vs stock':>8} "
+        f"| {'accept':>6} | {'tok/fwd':>7} | same |"
+    )
     out = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
         out.append(
@@ -103,21 +121,45 @@ def bench(target, tok, drafters, max_tokens, select=None, repeats=2):
     for name, prompt_text in prompts():
         if select and not any(s in name for s in select):
             continue
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt_text}], add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": prompt_text}], add_generation_prompt=True
+        )
         best = {}
         for _ in range(repeats):
-            best["stock"] = max(best.get("stock", (None, 0, 0)), run(target, tok, prompt, max_tokens),
-                                key=lambda r: r[2])
+            best["stock"] = max(
+                best.get("stock", (None, 0, 0)),
+                run(target, tok, prompt, max_tokens),
+                key=lambda r: r[2],
+            )
             for method, make, k in drafters:
-                best[method] = max(best.get(method, (None, 0, 0)), run(target, tok, prompt, max_tokens, make(), k),
-                                   key=lambda r: r[2])
+                best[method] = max(
+                    best.get(method, (None, 0, 0)),
+                    run(target, tok, prompt, max_tokens, make(), k),
+                    key=lambda r: r[2],
+                )
         base_text, n, base_tps, _, _ = best["stock"]
         if SHOW_TEXT:
             print(f"--- {name}: stock output ---\n{base_text}\n---", flush=True)
-        rows.append(dict(prompt=name, method="stock", tps=base_tps, ratio=1.0, accept="", tpf="1.00", same="-"))
-        for method, make, k in drafters:
+        rows.append(
+            dict(
+                prompt=name,
+                method="stock",
+                tps=base_tps,
+                ratio=1.0,
+                accept="",
+                tpf="1.00",
+                same="-",
+            )
+        )
+        for method, _make, _k in drafters:
             text, n2, tps, _, st = best[method]
-            row = dict(prompt=name, method=method, tps=tps, ratio=tps / base_tps, same="yes" if text == base_text else "NO")
+            row = dict(
+                prompt=name,
+                method=method,
+                tps=tps,
+                ratio=tps / base_tps,
+                same="yes" if text == base_text else "NO",
+            )
             if st is not None:
                 row.update(accept=f"{100 * st.acceptance:.0f}%", tpf=f"{st.tokens_per_forward:.2f}")
                 if st.auto_off:
@@ -125,7 +167,7 @@ def bench(target, tok, drafters, max_tokens, select=None, repeats=2):
             else:
                 row.update(accept="?", tpf="?")
             rows.append(row)
-        print(table(rows[-1 - len(drafters):]), flush=True)
+        print(table(rows[-1 - len(drafters) :]), flush=True)
     return rows
 
 
@@ -133,7 +175,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--only", nargs="*", help="substrings of prompt names to run")
-    p.add_argument("--repeats", type=int, default=2, help="interleaved runs per method; the best counts")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="interleaved runs per method; the best counts"
+    )
     p.add_argument("--skip-q4-target", action="store_true")
     p.add_argument("--json", default=None, help="also write every row to this file")
     p.add_argument("--show-text", action="store_true", help="print stock's output per prompt")
@@ -149,16 +193,28 @@ def main():
         ("draft-model", lambda: sd.DraftModelDrafter(q4), 3),
         ("mlx-lm draft", lambda: q4, 3),  # a plain module: mlx-lm's own loop
     ]
-    print(f"# float32 target, {args.max_tokens} tokens, greedy, best of {args.repeats}\n", flush=True)
+    print(
+        f"# float32 target, {args.max_tokens} tokens, greedy, best of {args.repeats}\n", flush=True
+    )
     rows = bench(f32, tok, drafters, args.max_tokens, args.only, args.repeats)
     print("\n" + table(rows) + "\n", flush=True)
-    out = dict(device=str(mx.default_device()), mlx=mx.__version__, max_tokens=args.max_tokens,
-               float32=rows)
+    out = dict(
+        device=str(mx.default_device()),
+        mlx=mx.__version__,
+        max_tokens=args.max_tokens,
+        float32=rows,
+    )
     if not args.skip_q4_target:
         why = "drafting cannot pay off on this CPU; " if mx.default_device() == mx.cpu else ""
         print(f"# 4-bit target ({why}* = switched off)\n", flush=True)
-        rows = bench(q4, tok, [("ngram", lambda: sd.NGramDrafter(), 3)], args.max_tokens,
-                     args.only or ["edit code", "open: chat"], args.repeats)
+        rows = bench(
+            q4,
+            tok,
+            [("ngram", lambda: sd.NGramDrafter(), 3)],
+            args.max_tokens,
+            args.only or ["edit code", "open: chat"],
+            args.repeats,
+        )
         print("\n" + table(rows), flush=True)
         out["q4"] = rows
     if args.json:

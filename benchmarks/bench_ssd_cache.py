@@ -24,7 +24,6 @@ import copy
 import gc
 import json
 import os
-import statistics
 import sys
 import sysconfig
 import tempfile
@@ -33,7 +32,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
 
 RESULTS = {}  # what --json writes
 
@@ -62,10 +60,10 @@ def prompt_tokens(tok, n):
     """``n`` tokens of real text: CPython's LICENSE and docs, as one user turn."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text = (stdlib / "LICENSE.txt").read_text()
-    text += (stdlib / "pydoc_data" / "topics.py").read_text()[: 200_000]
+    text += (stdlib / "pydoc_data" / "topics.py").read_text()[:200_000]
     ids = tok.encode(text)
     head = tok.apply_chat_template([{"role": "user", "content": "Summarize:"}], tokenize=True)
-    return (head + ids)[: n]
+    return (head + ids)[:n]
 
 
 def first_token(model, tokens, cache):
@@ -80,8 +78,13 @@ def table(title, rows):
     print(f"\n{title}")
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for k, r in enumerate(rows):
-        print("  " + "  ".join(str(c).rjust(w) if j else str(c).ljust(w)
-                             for j, (c, w) in enumerate(zip(r, widths))))
+        print(
+            "  "
+            + "  ".join(
+                str(c).rjust(w) if j else str(c).ljust(w)
+                for j, (c, w) in enumerate(zip(r, widths, strict=False))
+            )
+        )
         if k == 0:
             print("  " + "  ".join("-" * w for w in widths))
 
@@ -160,10 +163,17 @@ def ttft_and_throughput(model, tok, key, work, n_tokens, repeats):
     ours_warm, stock_warm = best["ours_warm"], best["stock_warm"]
     raw = min(reads)
     RESULTS["ttft"] = dict(
-        tokens=len(prompt), cold_prefill_s=cold, entry_bytes=entry_bytes, stock_bytes=stock_bytes,
-        restore_dropped_s=ours_cold[0], restore_cached_s=ours_warm[0],
-        stock_dropped_s=stock_cold[0], stock_cached_s=stock_warm[0],
-        read_s=raw, restore_read_dropped_s=ours_cold[1], stock_read_dropped_s=stock_cold[1],
+        tokens=len(prompt),
+        cold_prefill_s=cold,
+        entry_bytes=entry_bytes,
+        stock_bytes=stock_bytes,
+        restore_dropped_s=ours_cold[0],
+        restore_cached_s=ours_warm[0],
+        stock_dropped_s=stock_cold[0],
+        stock_cached_s=stock_warm[0],
+        read_s=raw,
+        restore_read_dropped_s=ours_cold[1],
+        stock_read_dropped_s=stock_cold[1],
     )
 
     table(
@@ -171,27 +181,64 @@ def ttft_and_throughput(model, tok, key, work, n_tokens, repeats):
         [
             ("path", "TTFT s", "vs cold prefill"),
             ("cold prefill (stock)", f"{cold:.2f}", "1x"),
-            ("ssd-cache restore, pages dropped", f"{ours_cold[0]:.3f}", f"{cold / ours_cold[0]:.0f}x"),
+            (
+                "ssd-cache restore, pages dropped",
+                f"{ours_cold[0]:.3f}",
+                f"{cold / ours_cold[0]:.0f}x",
+            ),
             ("ssd-cache restore, page cache", f"{ours_warm[0]:.3f}", f"{cold / ours_warm[0]:.0f}x"),
-            ("stock load_prompt_cache, dropped", f"{stock_cold[0]:.3f}", f"{cold / stock_cold[0]:.0f}x"),
-            ("stock load_prompt_cache, cached", f"{stock_warm[0]:.3f}", f"{cold / stock_warm[0]:.0f}x"),
+            (
+                "stock load_prompt_cache, dropped",
+                f"{stock_cold[0]:.3f}",
+                f"{cold / stock_cold[0]:.0f}x",
+            ),
+            (
+                "stock load_prompt_cache, cached",
+                f"{stock_warm[0]:.3f}",
+                f"{cold / stock_warm[0]:.0f}x",
+            ),
         ],
     )
     mb = 1e6
     table(
-        "2. Restore throughput (best of %d, interleaved; pages dropped unless noted)" % repeats,
+        f"2. Restore throughput (best of {repeats}, interleaved; pages dropped unless noted)",
         [
             ("reader", "MB", "s", "MB/s", "vs sequential read"),
-            ("sequential read (the disk)", f"{entry_bytes / mb:.0f}", f"{raw:.3f}",
-             f"{entry_bytes / mb / raw:.0f}", "1.00x"),
-            ("ssd-cache restore", f"{entry_bytes / mb:.0f}", f"{ours_cold[1]:.3f}",
-             f"{entry_bytes / mb / ours_cold[1]:.0f}", f"{raw / ours_cold[1]:.2f}x"),
-            ("stock load_prompt_cache", f"{stock_bytes / mb:.0f}", f"{stock_cold[1]:.3f}",
-             f"{stock_bytes / mb / stock_cold[1]:.0f}", f"{raw * stock_bytes / entry_bytes / stock_cold[1]:.2f}x"),
-            ("ssd-cache restore, page cache", f"{entry_bytes / mb:.0f}", f"{ours_warm[1]:.3f}",
-             f"{entry_bytes / mb / ours_warm[1]:.0f}", "-"),
-            ("stock load, page cache", f"{stock_bytes / mb:.0f}", f"{stock_warm[1]:.3f}",
-             f"{stock_bytes / mb / stock_warm[1]:.0f}", "-"),
+            (
+                "sequential read (the disk)",
+                f"{entry_bytes / mb:.0f}",
+                f"{raw:.3f}",
+                f"{entry_bytes / mb / raw:.0f}",
+                "1.00x",
+            ),
+            (
+                "ssd-cache restore",
+                f"{entry_bytes / mb:.0f}",
+                f"{ours_cold[1]:.3f}",
+                f"{entry_bytes / mb / ours_cold[1]:.0f}",
+                f"{raw / ours_cold[1]:.2f}x",
+            ),
+            (
+                "stock load_prompt_cache",
+                f"{stock_bytes / mb:.0f}",
+                f"{stock_cold[1]:.3f}",
+                f"{stock_bytes / mb / stock_cold[1]:.0f}",
+                f"{raw * stock_bytes / entry_bytes / stock_cold[1]:.2f}x",
+            ),
+            (
+                "ssd-cache restore, page cache",
+                f"{entry_bytes / mb:.0f}",
+                f"{ours_warm[1]:.3f}",
+                f"{entry_bytes / mb / ours_warm[1]:.0f}",
+                "-",
+            ),
+            (
+                "stock load, page cache",
+                f"{stock_bytes / mb:.0f}",
+                f"{stock_warm[1]:.3f}",
+                f"{stock_bytes / mb / stock_warm[1]:.0f}",
+                "-",
+            ),
         ],
     )
     return prompt + [tok0], cache
@@ -259,19 +306,31 @@ def itl(model, tok, key, work, big_cache, big_tokens, n, every, rounds):
                 written += s["written_bytes"]
                 pc.close(600)
     q = {k: (np.percentile(v, 50), np.percentile(v, 99), np.mean(v)) for k, v in results.items()}
-    RESULTS["itl"] = dict(entry_bytes=entry, written_bytes=written,
-                          **{f"{k}_{m}_s": v[i] for k, v in q.items() for i, m in enumerate(("p50", "p99", "mean"))})
+    RESULTS["itl"] = dict(
+        entry_bytes=entry,
+        written_bytes=written,
+        **{f"{k}_{m}_s": v[i] for k, v in q.items() for i, m in enumerate(("p50", "p99", "mean"))},
+    )
     table(
         f"3. Decode inter-token latency, a {entry / 1e6:.0f} MB prompt cache inserted every "
         f"{every} tokens ({rounds} alternating rounds of {n} tokens; "
         f"{written / 1e9:.1f} GB written by the tier)",
         [
             ("prompt cache", "p50 ms", "p99 ms", "mean ms", "p99 vs stock"),
-            ("stock LRUPromptCache (memory only)", f"{q['stock'][0] * 1e3:.1f}",
-             f"{q['stock'][1] * 1e3:.1f}", f"{q['stock'][2] * 1e3:.1f}", "1.00x"),
-            ("SSDPromptCache (writing + spilling)", f"{q['ssd'][0] * 1e3:.1f}",
-             f"{q['ssd'][1] * 1e3:.1f}", f"{q['ssd'][2] * 1e3:.1f}",
-             f"{q['ssd'][1] / q['stock'][1]:.2f}x"),
+            (
+                "stock LRUPromptCache (memory only)",
+                f"{q['stock'][0] * 1e3:.1f}",
+                f"{q['stock'][1] * 1e3:.1f}",
+                f"{q['stock'][2] * 1e3:.1f}",
+                "1.00x",
+            ),
+            (
+                "SSDPromptCache (writing + spilling)",
+                f"{q['ssd'][0] * 1e3:.1f}",
+                f"{q['ssd'][1] * 1e3:.1f}",
+                f"{q['ssd'][2] * 1e3:.1f}",
+                f"{q['ssd'][1] / q['stock'][1]:.2f}x",
+            ),
         ],
     )
 
@@ -284,7 +343,9 @@ def main():
     p.add_argument("--every", type=int, default=10, help="insert a big cache every N tokens")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--only", choices=["ttft", "itl"], default=None, help="run one part")
-    p.add_argument("--dir", default=None, help="work directory (default: a temp dir on /tmp's disk)")
+    p.add_argument(
+        "--dir", default=None, help="work directory (default: a temp dir on /tmp's disk)"
+    )
     p.add_argument("--model", default=None, help="model folder (default: smollm2-135m-f32)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()

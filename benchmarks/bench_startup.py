@@ -20,8 +20,12 @@ import time
 
 
 def import_time_us():
-    r = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "pass"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     total = 0
     for line in r.stderr.splitlines():
         # "import time: self [us] | cumulative | imported package"
@@ -51,7 +55,9 @@ def main():
         bare.append(wall_ms([sys.executable, "-S", "-c", "pass"], plain_env))
     med_h, med_b = statistics.median(hooked), statistics.median(bare)
     print(f"{'measure':44} {'value':>10}")
-    print(f"{'hook modules, -X importtime (median)':44} {statistics.median(imports) / 1e3:>8.2f} ms")
+    print(
+        f"{'hook modules, -X importtime (median)':44} {statistics.median(imports) / 1e3:>8.2f} ms"
+    )
     print(f"{'python -c pass, with site + hook (median)':44} {med_h:>8.1f} ms")
     print(f"{'python -S -c pass, no site at all (median)':44} {med_b:>8.1f} ms")
     print(f"{'site processing incl. all .pth files':44} {med_h - med_b:>8.1f} ms")

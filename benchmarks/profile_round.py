@@ -83,6 +83,7 @@ def components(model, drafter, prompt, repeats):
             if not grow:
                 trim_prompt_cache(cache, w)
             return build, t
+
         return fn
 
     def draft(k):
@@ -90,6 +91,7 @@ def components(model, drafter, prompt, repeats):
             t0 = time.perf_counter()
             d, _ = drafter.draft(ctx, k)
             return time.perf_counter() - t0, d
+
         return fn
 
     def round_(k):
@@ -105,6 +107,7 @@ def components(model, drafter, prompt, repeats):
             t.tolist(), d.tolist()
             trim_prompt_cache(cache, k + 1)
             return build, t
+
         return fn
 
     # Plain, pipelined: mlx-lm's own loop from the same prompt (its cache).
@@ -140,7 +143,9 @@ def components(model, drafter, prompt, repeats):
 
 def tps(model, tok, prompt, max_tokens, draft=None, k=3):
     last = None
-    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k):
+    for r in stream_generate(
+        model, tok, prompt, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k
+    ):
         last = r
     st = sd.last_stats() if draft is not None else None
     return last.generation_tps, st
@@ -154,14 +159,19 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--loop-repeats", type=int, default=3)
-    ap.add_argument("--ks", default="3,1,2", help="Fixed draft lengths for the forced-on loop rows.")
-    ap.add_argument("--attention", default="padded,explicit,fused",
-                    help="Verify attention policies to compare (MLX_LM_SPEC_ATTENTION), first is the main one.")
+    ap.add_argument(
+        "--ks", default="3,1,2", help="Fixed draft lengths for the forced-on loop rows."
+    )
+    ap.add_argument(
+        "--attention",
+        default="padded,explicit,fused",
+        help="Verify attention policies to compare (MLX_LM_SPEC_ATTENTION), first is the main one.",
+    )
     args = ap.parse_args()
 
-    from mlx_lm_ext import models
-
     import bench_assistant
+
+    from mlx_lm_ext import models
 
     bench_assistant.enable_plugin()
     path = args.model or models.build("smollm2-135m-f32", progress=False)
@@ -171,32 +181,52 @@ def main():
     base = assistant.load(args.drafter_path, model)
     print(f"# {mx.default_device()}, dtype {args.dtype or 'as loaded'}, median of {args.repeats}\n")
 
-    chat = {n: tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-            for n, t in PROMPTS.items()}
+    chat = {
+        n: tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        for n, t in PROMPTS.items()
+    }
     policies = args.attention.split(",")
-    print("| attention | what | build ms | total ms | x plain pipelined step |\n|---|---|---|---|---|")
+    print(
+        "| attention | what | build ms | total ms | x plain pipelined step |\n|---|---|---|---|---|"
+    )
     for policy in policies:
         os.environ["MLX_LM_SPEC_ATTENTION"] = policy
         rows = components(model, base, chat["advice"], args.repeats)
         plain = rows[0][2]
         for name, b, t in rows:
-            print(f"| {policy} | {name} | {'' if b is None else f'{1e3 * b:.2f}'} | {1e3 * t:.2f} | "
-                  f"{t / plain:.2f} |", flush=True)
+            print(
+                f"| {policy} | {name} | {'' if b is None else f'{1e3 * b:.2f}'} | {1e3 * t:.2f} | "
+                f"{t / plain:.2f} |",
+                flush=True,
+            )
 
     ks = [int(k) for k in args.ks.split(",")]
     tps(model, tok, chat["advice"], 16)  # warm-up
-    print("\n| prompt | method | tok/s | vs stock | accepted/drafted | tok/fwd |\n|---|---|---|---|---|---|")
+    print(
+        "\n| prompt | method | tok/s | vs stock | accepted/drafted | tok/fwd |"
+        "\n|---|---|---|---|---|---|"
+    )
     for name, prompt in chat.items():
         res, stats = {"stock": []}, {}
-        for _ in range(args.loop_repeats):  # interleaved: the machine's drift hits every method alike
+        for _ in range(
+            args.loop_repeats
+        ):  # interleaved: the machine's drift hits every method alike
             res["stock"].append(tps(model, tok, prompt, args.max_tokens)[0])
             for policy in policies:
                 os.environ["MLX_LM_SPEC_ATTENTION"] = policy
                 for k in ks + ["adaptive", "auto-off"]:
                     m = f"{policy}: assistant " + (f"k={k}" if isinstance(k, int) else k)
-                    d = assistant.AssistantDrafter(model, base.net, base.cfg, max_draft=k if isinstance(k, int) else 6,
-                                                   adaptive=not isinstance(k, int), auto_off=k == "auto-off")
-                    v, stats[m] = tps(model, tok, prompt, args.max_tokens, d, k if isinstance(k, int) else 3)
+                    d = assistant.AssistantDrafter(
+                        model,
+                        base.net,
+                        base.cfg,
+                        max_draft=k if isinstance(k, int) else 6,
+                        adaptive=not isinstance(k, int),
+                        auto_off=k == "auto-off",
+                    )
+                    v, stats[m] = tps(
+                        model, tok, prompt, args.max_tokens, d, k if isinstance(k, int) else 3
+                    )
                     res.setdefault(m, []).append(v)
                     if policy != policies[0]:
                         break  # the comparison policy: one row

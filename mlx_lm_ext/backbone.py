@@ -85,7 +85,9 @@ def post(logits: mx.array, softcap: Optional[float], scale: Optional[float]) -> 
     return logits
 
 
-def split(model: Any, atol: float = 1e-4, rtol: float = 1e-3) -> Optional[Tuple[Callable, Callable]]:
+def split(
+    model: Any, atol: float = 1e-4, rtol: float = 1e-3
+) -> Optional[Tuple[Callable, Callable]]:
     """``(backbone, head)`` with ``head(backbone(x, cache)) == model(x, cache)``.
 
     Checked on a short input; ``None`` when the model does not decompose so.

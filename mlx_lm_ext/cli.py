@@ -17,9 +17,23 @@ from . import __version__, compat, plugins
 
 # mlx-lm's own subcommands (mlx_lm/cli.py), run through with plugins enabled.
 MLX_LM_COMMANDS = (
-    "awq", "benchmark", "cache_prompt", "chat", "convert", "dwq", "dynamic_quant",
-    "evaluate", "fuse", "generate", "gptq", "lora", "manage", "perplexity",
-    "server", "share", "upload",
+    "awq",
+    "benchmark",
+    "cache_prompt",
+    "chat",
+    "convert",
+    "dwq",
+    "dynamic_quant",
+    "evaluate",
+    "fuse",
+    "generate",
+    "gptq",
+    "lora",
+    "manage",
+    "perplexity",
+    "server",
+    "share",
+    "upload",
 )
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
@@ -58,7 +72,7 @@ def cmd_plugins(args):
 def _print_table(rows):
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip())
 
 
 # ----------------------------------------------------------------- doctor
@@ -99,9 +113,7 @@ def _blas_report(mx):
     gflops = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
     if openblas:
         return f"OpenBLAS loaded ({gflops:.0f} GFLOP/s float32 matmul)"
-    hint = (
-        f"apt-get install libopenblas0-pthread and run with LD_PRELOAD={OPENBLAS}"
-    )
+    hint = f"apt-get install libopenblas0-pthread and run with LD_PRELOAD={OPENBLAS}"
     return f"bundled reference BLAS ({gflops:.1f} GFLOP/s float32 matmul): slow; {hint}"
 
 
@@ -118,7 +130,9 @@ def cmd_doctor(args):
         return 1
     lines.append(("mlx", importlib.metadata.version("mlx")))
     problem = compat.problem()
-    lines.append(("mlx-lm", compat.mlx_lm_version() + (f"  ({problem})" if problem else "  (supported)")))
+    lines.append(
+        ("mlx-lm", compat.mlx_lm_version() + (f"  ({problem})" if problem else "  (supported)"))
+    )
     backend = _backend(mx)
     lines.append(("backend", f"{backend} (default device {mx.default_device()})"))
     pth = _hook_installed()

@@ -147,9 +147,7 @@ def speculative_generate_step(
 
 
 @hookspec(firstresult=True)
-def make_loss(
-    name: str, model: Any, args: argparse.Namespace, options: Any
-) -> Optional[Callable]:
+def make_loss(name: str, model: Any, args: argparse.Namespace, options: Any) -> Optional[Callable]:
     """Return a training loss for ``--loss name``, or ``None``.
 
     The loss has mlx-lm's ``default_loss(model, batch, lengths)`` signature

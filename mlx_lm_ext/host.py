@@ -53,7 +53,8 @@ def _modules_of(model) -> list:
     if key not in _attention_modules:
         names = {type(m).__module__ for m in model.modules()} | {type(model).__module__}
         _attention_modules[key] = [
-            sys.modules[n] for n in sorted(names)
+            sys.modules[n]
+            for n in sorted(names)
             if n in sys.modules
             and callable(getattr(sys.modules[n], "scaled_dot_product_attention", None))
         ]
@@ -64,7 +65,8 @@ def _modules_of(model) -> list:
 def override_attention(model, make: Callable[[Callable], Callable]) -> Iterator[None]:
     """Run ``model``'s attention as ``make(original)`` inside the block."""
     mods = _modules_of(model)
-    items = [(m, "scaled_dot_product_attention", make(m.scaled_dot_product_attention))
-             for m in mods]
+    items = [
+        (m, "scaled_dot_product_attention", make(m.scaled_dot_product_attention)) for m in mods
+    ]
     with patching.scoped("attention", items):
         yield

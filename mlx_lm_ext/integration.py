@@ -313,7 +313,10 @@ def _install_dispatcher():
                 kwargs["stream"] = args[0]
             gen = plugins.first(
                 "speculative_generate_step",
-                prompt=prompt, model=model, drafter=draft_model, kwargs=kwargs,
+                prompt=prompt,
+                model=model,
+                drafter=draft_model,
+                kwargs=kwargs,
             )
             if gen is None:
                 gen = original(prompt, model, draft_model, **kwargs)
@@ -333,8 +336,12 @@ def _install_generate():
         def generate(model, tokenizer, prompt, verbose=False, **kwargs):
             try:
                 drafter = plugins.first(
-                    "make_drafter", command="generate", model=model, tokenizer=tokenizer,
-                    draft_model=kwargs.get("draft_model"), args=STATE.args.get("generate"),
+                    "make_drafter",
+                    command="generate",
+                    model=model,
+                    tokenizer=tokenizer,
+                    draft_model=kwargs.get("draft_model"),
+                    args=STATE.args.get("generate"),
                 )
             except PluginError as e:  # e.g. a drafter made for another model
                 plugins.fail(str(e))
@@ -406,15 +413,23 @@ def _install_model_hook():
             result = original(self, *args, **kwargs)
             command = "server" if "server" in STATE.args else "python"
             plugins.collect(
-                "model_loaded", command=command, model_key=self.model_key, model=self.model,
-                draft_model=self.draft_model, tokenizer=self.tokenizer,
+                "model_loaded",
+                command=command,
+                model_key=self.model_key,
+                model=self.model,
+                draft_model=self.draft_model,
+                tokenizer=self.tokenizer,
             )
             if command != "server" or not _implements("make_drafter"):
                 return result
             try:
                 drafter = plugins.first(
-                    "make_drafter", command="server", model=self.model,
-                    tokenizer=self.tokenizer, draft_model=self.draft_model, args=self.cli_args,
+                    "make_drafter",
+                    command="server",
+                    model=self.model,
+                    tokenizer=self.tokenizer,
+                    draft_model=self.draft_model,
+                    args=self.cli_args,
                 )
             except Exception as e:
                 log.warning("drafter plugin failed, serving without it: %s", e)
@@ -477,7 +492,9 @@ def _install_requests():
         @functools.wraps(original)
         def _log_cache_stats(self):
             original(self)
-            for lines in plugins.collect("report_lines", command="server", source=self.prompt_cache):
+            for lines in plugins.collect(
+                "report_lines", command="server", source=self.prompt_cache
+            ):
                 for line in lines:
                     logging.info(line)  # mlx-lm logs these lines on the root logger
 

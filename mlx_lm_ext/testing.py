@@ -107,13 +107,24 @@ def tiny_config(arch, *, tied=True, **overrides):
         raise ValueError("mlx-lm's gpt2 always ties its output head to the embedding")
     config = copy.deepcopy(_CONFIGS[arch])
     config["tie_word_embeddings"] = tied
-    config.update(bos_token_id=1, eos_token_id=2)  # the SmolLM2 tokenizer's <|im_start|>, <|im_end|>
+    config.update(
+        bos_token_id=1, eos_token_id=2
+    )  # the SmolLM2 tokenizer's <|im_start|>, <|im_end|>
     config.update(overrides)
     return config
 
 
 def build_tiny_model(
-    path, arch, *, quantized=False, tied=True, seed=0, group_size=32, bits=4, tokenizer_dir=None, **overrides
+    path,
+    arch,
+    *,
+    quantized=False,
+    tied=True,
+    seed=0,
+    group_size=32,
+    bits=4,
+    tokenizer_dir=None,
+    **overrides,
 ):
     """Write a tiny random-weight mlx-lm model folder at ``path`` and return it.
 
@@ -181,7 +192,12 @@ if pytest is not None:
                 tag = f"tiny-{arch}-{'q4' if quantized else 'f32'}-{'tied' if tied else 'untied'}"
                 folder = tmp_path_factory.mktemp(tag)
                 built[key] = build_tiny_model(
-                    folder, arch, quantized=quantized, tied=tied, tokenizer_dir=smollm2_tokenizer_dir, **overrides
+                    folder,
+                    arch,
+                    quantized=quantized,
+                    tied=tied,
+                    tokenizer_dir=smollm2_tokenizer_dir,
+                    **overrides,
                 )
             return built[key]
 

@@ -120,14 +120,14 @@ PLUGIN_SRC = textwrap.dedent(
 )
 
 SERVER_ONLY_SRC = textwrap.dedent(
-    '''
+    """
     from mlx_lm_ext import hookimpl
 
 
     @hookimpl
     def commands():
         return ["server"]
-    '''
+    """
 )
 
 
@@ -137,9 +137,7 @@ def write_plugin_dist(root, dist, version, modules, entry_points):
         (root / f"{name}.py").write_text(src)
     info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
-    )
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
     eps = "".join(f"{k} = {v}\n" for k, v in entry_points.items())
     (info / "entry_points.txt").write_text(f"[mlx_lm_ext.plugins]\n{eps}")
 
@@ -148,12 +146,16 @@ def write_plugin_dist(root, dist, version, modules, entry_points):
 def plugin_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("testplugins")
     write_plugin_dist(
-        root, "mlx-lm-ext-testplugin", "1.2.3",
+        root,
+        "mlx-lm-ext-testplugin",
+        "1.2.3",
         {"mlx_lm_ext_testplugin": PLUGIN_SRC},
         {"testplugin": "mlx_lm_ext_testplugin"},
     )
     write_plugin_dist(
-        root, "mlx-lm-ext-serveronly", "0.0.1",
+        root,
+        "mlx-lm-ext-serveronly",
+        "0.0.1",
         {"mlx_lm_ext_serveronly": SERVER_ONLY_SRC},
         {"serveronly": "mlx_lm_ext_serveronly"},
     )
@@ -196,12 +198,10 @@ def run(plugin_dir, plugin_log):
 
     def run(args, timeout=300, env=None, **kw):
         full = dict(os.environ)
-        full["PYTHONPATH"] = os.pathsep.join(
-            [str(plugin_dir), full.get("PYTHONPATH", "")]
-        ).rstrip(os.pathsep)
-        full.update(env or {})
-        return subprocess.run(
-            args, capture_output=True, text=True, timeout=timeout, env=full, **kw
+        full["PYTHONPATH"] = os.pathsep.join([str(plugin_dir), full.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
         )
+        full.update(env or {})
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=full, **kw)
 
     return run

@@ -58,7 +58,7 @@ def test_no_import_cycles():
 
     def visit(node, stack):
         if node in stack:
-            cycles.append(stack[stack.index(node):] + [node])
+            cycles.append(stack[stack.index(node) :] + [node])
             return
         if node in done:
             return

@@ -1,14 +1,13 @@
 """End to end: mlx-lm's real console scripts in subprocesses, with the test plugin."""
 
 import json
+import os
 import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-
-import os
 
 import pytest
 
@@ -44,7 +43,9 @@ FORMS = {
 ALL_FORMS = [(c, f) for c, forms in FORMS.items() for f in forms]
 
 
-@pytest.mark.parametrize("command,form", ALL_FORMS, ids=[" ".join(a.rsplit("/", 1)[-1] for a in f) for _, f in ALL_FORMS])
+@pytest.mark.parametrize(
+    "command,form", ALL_FORMS, ids=[" ".join(a.rsplit("/", 1)[-1] for a in f) for _, f in ALL_FORMS]
+)
 def test_help_shows_plugin_flags_in_their_group(run, command, form):
     plain = run(form + ["--help"])
     assert plain.returncode == 0, plain.stderr
@@ -63,7 +64,9 @@ def test_help_shows_plugin_flags_in_their_group(run, command, form):
 def test_unknown_plugin_exits_2_listing_installed(run, command):
     r = run([bin_path(f"mlx_lm.{command}"), "--plugin", "nope,testplugin"])
     assert r.returncode == 2
-    assert re.search(r"unknown plugin 'nope' \(installed plugins: [^)]*serveronly, [^)]*testplugin", r.stderr)
+    assert re.search(
+        r"unknown plugin 'nope' \(installed plugins: [^)]*serveronly, [^)]*testplugin", r.stderr
+    )
     assert "Traceback" not in r.stderr and "usage:" not in r.stderr  # one line
 
 
@@ -92,8 +95,16 @@ def test_bad_plugin_option_and_crashing_activation(run, tiny_model):
 
 def test_installed_but_not_named_changes_nothing(run, plugin_log, tiny_model):
     model = str(tiny_model("llama"))
-    cmd = [bin_path("mlx_lm.generate"), "--model", model, "--prompt", "Once upon a time",
-           "--max-tokens", "16", "--ignore-chat-template"]
+    cmd = [
+        bin_path("mlx_lm.generate"),
+        "--model",
+        model,
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "16",
+        "--ignore-chat-template",
+    ]
     stock = run(cmd, env={"MLX_LM_EXT_DISABLE": "1"})
     assert stock.returncode == 0, stock.stderr
     extended = run(cmd)
@@ -105,8 +116,21 @@ def test_installed_but_not_named_changes_nothing(run, plugin_log, tiny_model):
 
 def test_generate_activates_named_plugins(run, plugin_log, tiny_model):
     model = str(tiny_model("llama"))
-    r = run([bin_path("mlx_lm.generate"), "--model", model, "--prompt", "hello",
-             "--max-tokens", "4", "--plugin", "testplugin", "--testplugin-mode", "m1"])
+    r = run(
+        [
+            bin_path("mlx_lm.generate"),
+            "--model",
+            model,
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "4",
+            "--plugin",
+            "testplugin",
+            "--testplugin-mode",
+            "m1",
+        ]
+    )
     assert r.returncode == 0, r.stderr
     events = plugin_log()
     assert ["activate", "generate", "m1"] in events
@@ -116,7 +140,7 @@ def test_generate_activates_named_plugins(run, plugin_log, tiny_model):
 def _tiny_dataset(path):
     path.mkdir()
     text = open(__file__).read().split()
-    rows = [{"text": " ".join(text[i:i + 40])} for i in range(0, 40 * 12, 40)]
+    rows = [{"text": " ".join(text[i : i + 40])} for i in range(0, 40 * 12, 40)]
     for split, part in (("train", rows[:8]), ("valid", rows[8:])):
         with open(path / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in part)
@@ -126,11 +150,35 @@ def _tiny_dataset(path):
 def test_lora_loss_from_flag_and_yaml(run, plugin_log, tiny_model, tmp_path):
     model = str(tiny_model("llama"))
     data = _tiny_dataset(tmp_path / "data")
-    common = ["--model", model, "--train", "--data", str(data), "--iters", "2",
-              "--batch-size", "2", "--steps-per-report", "1", "--steps-per-eval", "2",
-              "--val-batches", "1", "--num-layers", "1"]
-    r = run([bin_path("mlx_lm.lora"), *common, "--adapter-path", str(tmp_path / "a1"),
-             "--loss", "testplugin"])
+    common = [
+        "--model",
+        model,
+        "--train",
+        "--data",
+        str(data),
+        "--iters",
+        "2",
+        "--batch-size",
+        "2",
+        "--steps-per-report",
+        "1",
+        "--steps-per-eval",
+        "2",
+        "--val-batches",
+        "1",
+        "--num-layers",
+        "1",
+    ]
+    r = run(
+        [
+            bin_path("mlx_lm.lora"),
+            *common,
+            "--adapter-path",
+            str(tmp_path / "a1"),
+            "--loss",
+            "testplugin",
+        ]
+    )
     assert r.returncode == 0, r.stderr
     events = plugin_log()
     assert ["activate", "lora", None] in events
@@ -139,8 +187,9 @@ def test_lora_loss_from_flag_and_yaml(run, plugin_log, tiny_model, tmp_path):
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("loss: testplugin\ntestplugin_mode: yaml-mode\n")
-    r = run([bin_path("mlx_lm.lora"), *common, "--adapter-path", str(tmp_path / "a2"),
-             "-c", str(cfg)])
+    r = run(
+        [bin_path("mlx_lm.lora"), *common, "--adapter-path", str(tmp_path / "a2"), "-c", str(cfg)]
+    )
     assert r.returncode == 0, r.stderr
     assert ["activate", "lora", "yaml-mode"] in plugin_log()
 
@@ -157,9 +206,13 @@ def _free_port():
 
 
 def _serve(run_env, args, port):
-    proc = subprocess.Popen(args + ["--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=run_env)
+    proc = subprocess.Popen(
+        args + ["--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=run_env,
+    )
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
@@ -167,7 +220,7 @@ def _serve(run_env, args, port):
                 return proc
         except OSError:
             if proc.poll() is not None:
-                raise AssertionError(proc.stdout.read())
+                raise AssertionError(proc.stdout.read()) from None
             time.sleep(0.5)
     proc.kill()
     raise AssertionError("server did not start")
@@ -175,8 +228,9 @@ def _serve(run_env, args, port):
 
 def _complete(port, prompt):
     body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
@@ -192,8 +246,19 @@ def test_server_plugin_hooks_and_failure_keeps_serving(server_env, plugin_log, t
     model = str(tiny_model("llama"))
     for mode in ("ok", "cache-crash"):
         port = _free_port()
-        proc = _serve(server_env, [bin_path("mlx_lm.server"), "--model", model, "--plugin",
-                                   "testplugin", "--testplugin-mode", mode], port)
+        proc = _serve(
+            server_env,
+            [
+                bin_path("mlx_lm.server"),
+                "--model",
+                model,
+                "--plugin",
+                "testplugin",
+                "--testplugin-mode",
+                mode,
+            ],
+            port,
+        )
         try:
             out = _complete(port, "Hello there")
             assert out["choices"][0]["text"] is not None
@@ -211,7 +276,7 @@ def test_server_plugin_hooks_and_failure_keeps_serving(server_env, plugin_log, t
 def test_mlx_lm_ext_plugins_and_doctor(run):
     r = run([bin_path("mlx-lm-ext"), "plugins"])
     assert r.returncode == 0, r.stderr
-    line = next(l for l in r.stdout.splitlines() if l.startswith("testplugin"))
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("testplugin"))
     assert "mlx-lm-ext-testplugin" in line and "1.2.3" in line
     assert "mlx_lm.generate, mlx_lm.server, mlx_lm.lora" in line
     r = run([bin_path("mlx-lm-ext"), "doctor"])

@@ -68,6 +68,7 @@ def test_enable_errors_are_clear(host):
 
 def test_dispatcher_routes_to_plugin_and_is_removed_on_disable(host, plugin_log, tiny_model):
     import mlx_lm
+
     import mlx_lm_ext
 
     gen_mod = sys.modules["mlx_lm.generate"]
@@ -101,8 +102,10 @@ def test_boot_patches_late_imports_once():
 
         mod = importlib.import_module("mlx_lm.generate")
     assert _boot.active()
-    assert any(p.obj is mod and p.attr == "setup_arg_parser" and p.owner == "core"
-               for p in patching.patches())
+    assert any(
+        p.obj is mod and p.attr == "setup_arg_parser" and p.owner == "core"
+        for p in patching.patches()
+    )
     wrapped = mod.setup_arg_parser
     integration.patch(mod)  # idempotent, as importlib.reload would do
     assert mod.setup_arg_parser is wrapped
@@ -136,9 +139,18 @@ def test_no_mlx_lm_attribute_is_assigned_outside_the_ledger():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    sources = list((root / "mlx_lm_ext").glob("*.py")) + list(root.glob("plugins/*/mlx_lm_*/**/*.py"))
-    pattern = re.compile(r"^\s*(?:setattr\(\s*(?:mod|server|provider|rg|handler|cls)\b|"
-                         r"(?:mod|server|provider|rg|handler|m)\.[A-Za-z_]+\s*=[^=])")
-    offenders = [f"{p.relative_to(root)}:{i}" for p in sources if p.name != "patching.py"
-                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    sources = list((root / "mlx_lm_ext").glob("*.py")) + list(
+        root.glob("plugins/*/mlx_lm_*/**/*.py")
+    )
+    pattern = re.compile(
+        r"^\s*(?:setattr\(\s*(?:mod|server|provider|rg|handler|cls)\b|"
+        r"(?:mod|server|provider|rg|handler|m)\.[A-Za-z_]+\s*=[^=])"
+    )
+    offenders = [
+        f"{p.relative_to(root)}:{i}"
+        for p in sources
+        if p.name != "patching.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert offenders == []

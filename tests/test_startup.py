@@ -9,7 +9,8 @@ def test_startup_hook_imports_no_mlx_and_no_pluggy():
         "import sys\n"
         "names = [type(f).__name__ for f in sys.meta_path]\n"
         "assert '_Finder' in names, names\n"
-        "heavy = [m for m in ('mlx', 'mlx.core', 'pluggy', 'mlx_lm', 'importlib.metadata') if m in sys.modules]\n"
+        "heavy = [m for m in ('mlx', 'mlx.core', 'pluggy', 'mlx_lm', 'importlib.metadata')\n"
+        "         if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -38,11 +39,17 @@ def test_without_pth_python_m_mlx_lm_ext_wires_plugins():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, sysconfig.get_paths()["purelib"]]))
     plain = subprocess.run(
         [sys.executable, "-S", "-m", "mlx_lm", "generate", "--help"],
-        capture_output=True, text=True, env=env, check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     ).stdout
     assert "--plugin" not in plain
     wired = subprocess.run(
         [sys.executable, "-S", "-m", "mlx_lm_ext", "generate", "--help"],
-        capture_output=True, text=True, env=env, check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     ).stdout
     assert "--plugin NAME" in wired

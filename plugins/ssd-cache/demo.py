@@ -24,8 +24,19 @@ BIN = Path(sys.executable).parent
 
 
 def start(model, cache_dir, port, log):
-    cmd = [str(BIN / "mlx_lm.server"), "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--plugin", "ssd-cache", "--ssd-cache-dir", cache_dir]
+    cmd = [
+        str(BIN / "mlx_lm.server"),
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--plugin",
+        "ssd-cache",
+        "--ssd-cache-dir",
+        cache_dir,
+    ]
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(600):
@@ -47,9 +58,14 @@ def ask(port):
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model="default_model",
-        messages=[{"role": "system", "content": "Answer from this document:\n" + doc},
-                  {"role": "user", "content": "Who holds the copyright of Python?"}],
-        max_tokens=30, temperature=0.0, stream=True, stream_options={"include_usage": True},
+        messages=[
+            {"role": "system", "content": "Answer from this document:\n" + doc},
+            {"role": "user", "content": "Who holds the copyright of Python?"},
+        ],
+        max_tokens=30,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     ttft, text, usage = None, "", None
     for chunk in stream:
@@ -58,9 +74,11 @@ def ask(port):
             text += chunk.choices[0].delta.content
         usage = chunk.usage or usage
     total = time.perf_counter() - t0
-    print(f"  time to first token {ttft:6.2f} s (all 30 tokens {total:5.1f} s); prompt "
-          f"{usage.prompt_tokens} tokens, cached {usage.prompt_tokens_details.cached_tokens}",
-          flush=True)
+    print(
+        f"  time to first token {ttft:6.2f} s (all 30 tokens {total:5.1f} s); prompt "
+        f"{usage.prompt_tokens} tokens, cached {usage.prompt_tokens_details.cached_tokens}",
+        flush=True,
+    )
     print(f"  {text!r}", flush=True)
     return text
 
@@ -71,14 +89,20 @@ def main():
     p.add_argument("--dir", default=None, help="cache directory (default: a new temp dir)")
     p.add_argument("--port", type=int, default=8765)
     args = p.parse_args()
-    model = args.model or subprocess.check_output(
-        [str(BIN / "mlx-lm-ext"), "model", "smollm2-135m-f32", "--quiet"], text=True).strip()
+    model = (
+        args.model
+        or subprocess.check_output(
+            [str(BIN / "mlx-lm-ext"), "model", "smollm2-135m-f32", "--quiet"], text=True
+        ).strip()
+    )
     cache_dir = args.dir or tempfile.mkdtemp(prefix="ssd-cache-demo-")
     os.makedirs(cache_dir, exist_ok=True)
     log_path = os.path.join(tempfile.gettempdir(), f"ssd-cache-demo-{os.getpid()}.log")
     with open(log_path, "ab") as log:
-        for run in ("first run (cold: the whole prompt is prefilled)",
-                    "second run, new process (prompt cache restored from disk)"):
+        for run in (
+            "first run (cold: the whole prompt is prefilled)",
+            "second run, new process (prompt cache restored from disk)",
+        ):
             print(f"\n== {run}")
             proc = start(model, cache_dir, args.port, log)
             try:
@@ -89,8 +113,11 @@ def main():
     print("\n$ mlx-lm-ext ssd-cache ls --dir", cache_dir, flush=True)
     subprocess.run([str(BIN / "mlx-lm-ext"), "ssd-cache", "ls", "--dir", cache_dir])
     print(f"\nserver logs: {log_path}")
-    lines = [line for line in Path(log_path).read_text().splitlines()
-             if "ssd-cache:" in line or "- disk:" in line]
+    lines = [
+        line
+        for line in Path(log_path).read_text().splitlines()
+        if "ssd-cache:" in line or "- disk:" in line
+    ]
     print("\n".join(lines[-4:]))
 
 

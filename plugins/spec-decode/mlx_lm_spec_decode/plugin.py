@@ -20,7 +20,6 @@ from pathlib import Path
 
 from mlx_lm_ext import PluginError, hookimpl
 
-from . import stats as stats_mod
 from .draft_model import DraftModelDrafter, VocabularyMismatch
 from .drafter import Drafter
 from .ngram import NGramDrafter
@@ -46,19 +45,40 @@ def add_arguments(command, group):
         "cache ('assistant', from --drafter-path). Default: draft-model when "
         "--draft-model is given, else ngram. --num-draft-tokens is the starting draft length.",
     )
-    group.add_argument("--drafter-path", default=None,
-                       help="Folder of a trained assistant drafter (--drafter assistant), made for this "
-                       "model by 'mlx-lm-ext train-drafter'.")
-    group.add_argument("--ngram-max", type=int, default=4,
-                       help="Longest n-gram the ngram drafter matches (tried first). Default: 4.")
-    group.add_argument("--ngram-min", type=int, default=2,
-                       help="Shortest n-gram the ngram drafter matches. Default: 2.")
-    group.add_argument("--draft-max", type=int, default=None,
-                       help="Upper bound of the adaptive draft length. Default: 10 (ngram), 6 (draft-model).")
-    group.add_argument("--fixed-draft", action="store_true",
-                       help="Keep the draft length at --num-draft-tokens (no adaptation).")
-    group.add_argument("--no-auto-off", action="store_true",
-                       help="Keep drafting even when it measures slower than plain decoding.")
+    group.add_argument(
+        "--drafter-path",
+        default=None,
+        help="Folder of a trained assistant drafter (--drafter assistant), made for this "
+        "model by 'mlx-lm-ext train-drafter'.",
+    )
+    group.add_argument(
+        "--ngram-max",
+        type=int,
+        default=4,
+        help="Longest n-gram the ngram drafter matches (tried first). Default: 4.",
+    )
+    group.add_argument(
+        "--ngram-min",
+        type=int,
+        default=2,
+        help="Shortest n-gram the ngram drafter matches. Default: 2.",
+    )
+    group.add_argument(
+        "--draft-max",
+        type=int,
+        default=None,
+        help="Upper bound of the adaptive draft length. Default: 10 (ngram), 6 (draft-model).",
+    )
+    group.add_argument(
+        "--fixed-draft",
+        action="store_true",
+        help="Keep the draft length at --num-draft-tokens (no adaptation).",
+    )
+    group.add_argument(
+        "--no-auto-off",
+        action="store_true",
+        help="Keep drafting even when it measures slower than plain decoding.",
+    )
 
 
 def _check(args):
@@ -75,9 +95,15 @@ def _check(args):
     if n is not None and (not isinstance(n, int) or n < 1):
         raise PluginError(f"--num-draft-tokens must be a positive integer, got {n}")
     if drafter == "draft-model" and hasattr(args, "draft_model") and not args.draft_model:
-        raise PluginError("--drafter draft-model needs --draft-model PATH (a smaller model with the same tokenizer)")
+        raise PluginError(
+            "--drafter draft-model needs --draft-model PATH "
+            "(a smaller model with the same tokenizer)"
+        )
     if drafter == "assistant" and not getattr(args, "drafter_path", None):
-        raise PluginError("--drafter assistant needs --drafter-path DIR (train one with: mlx-lm-ext train-drafter)")
+        raise PluginError(
+            "--drafter assistant needs --drafter-path DIR "
+            "(train one with: mlx-lm-ext train-drafter)"
+        )
     if drafter == "assistant":
         from .assistant import AssistantError, read_config
 
@@ -125,7 +151,9 @@ def _options(args, which):
 @hookimpl
 def make_drafter(command, model, tokenizer, draft_model, args, options):
     args = args if args is not None else options
-    which = getattr(args, "drafter", None) or ("draft-model" if draft_model is not None else "ngram")
+    which = getattr(args, "drafter", None) or (
+        "draft-model" if draft_model is not None else "ngram"
+    )
     opts = _options(args, which)
     if which == "assistant":
         return _assistant(model, args, opts)
@@ -183,7 +211,9 @@ def _load_tokenizer(path):
 
         return load_tokenizer(Path(_download(path)))
     except Exception as e:  # checked by vocab size only, as mlx-lm does
-        log.warning(f"spec-decode: could not load the draft model's tokenizer for the vocabulary check: {e}")
+        log.warning(
+            f"spec-decode: could not load the draft model's tokenizer for the vocabulary check: {e}"
+        )
         return None
 
 

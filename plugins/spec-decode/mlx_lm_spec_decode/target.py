@@ -6,6 +6,7 @@ import os
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+
 from mlx_lm_ext import backbone, host
 
 
@@ -59,8 +60,11 @@ def explicit_attention(queries, keys, values, scale, mask):
         mask = mx.arange(s)[None] <= (s - n + mx.arange(n))[:, None]
     if mask is not None:
         if mask.ndim == 4:
-            mask = mask.reshape(mask.shape[0], hkv, rep, n, s) if mask.shape[1] == hq and hq > 1 \
+            mask = (
+                mask.reshape(mask.shape[0], hkv, rep, n, s)
+                if mask.shape[1] == hq and hq > 1
                 else mx.expand_dims(mask, 2)
+            )
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
         else:
@@ -110,13 +114,22 @@ def verify_attention(model, width, policy=None):
 
     def patched(orig):
         def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-            if sinks is not None or hasattr(cache, "bits") or not 1 < queries.shape[2] <= EXPLICIT_MAX_QUERIES:
+            if (
+                sinks is not None
+                or hasattr(cache, "bits")
+                or not 1 < queries.shape[2] <= EXPLICIT_MAX_QUERIES
+            ):
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-            if policy == "padded" and (mask is None or isinstance(mask, str)) and keys.shape[2] == cache.offset:
+            if (
+                policy == "padded"
+                and (mask is None or isinstance(mask, str))
+                and keys.shape[2] == cache.offset
+            ):
                 out = padded_attention(queries, cache, scale, masks)
                 if out is not None:
                     return out
             return explicit_attention(queries, keys, values, scale, mask)
+
         return sdpa
 
     # The host swaps the function through its patch ledger for this forward only.

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import pytest
+from assistant_recording import RecordingDrafter
 from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -20,8 +21,6 @@ from mlx_lm_spec_decode import DraftContext, last_stats, speculative_generate_st
 from mlx_lm_spec_decode import assistant as A
 from mlx_lm_spec_decode import target as target_mod
 from mlx_lm_spec_decode.training.distill import Target, loss_fn
-
-from assistant_recording import RecordingDrafter
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,12 @@ def stock(model, prompt, n, **kw):
 
 
 def spec(model, drafter, prompt, n, k=3, **kw):
-    return [t for t, _, _ in speculative_generate_step(prompt, model, drafter, num_draft_tokens=k, max_tokens=n, **kw)]
+    return [
+        t
+        for t, _, _ in speculative_generate_step(
+            prompt, model, drafter, num_draft_tokens=k, max_tokens=n, **kw
+        )
+    ]
 
 
 def fresh_drafter(model, layers=1, seed=0, **kw):
@@ -119,7 +123,7 @@ def test_drafter_reads_the_target_cache_in_place(llama):
     ctx = DraftContext(model, cache, [], hidden=h[0, -1:])
     d.prefill(ctx, prompt.tolist())
     donors = d.donors(ctx)
-    assert all(c is cache[i] for c, i in zip(donors, d.cfg.donors))
+    assert all(c is cache[i] for c, i in zip(donors, d.cfg.donors, strict=False))
     keys, values, _ = A.donor_view(cache[d.cfg.donors[0]])
     assert keys.shape[2] == cache[0].offset == len(prompt) - 1
     assert mx.array_equal(keys, cache[d.cfg.donors[0]].keys[..., : keys.shape[2], :])
@@ -127,7 +131,9 @@ def test_drafter_reads_the_target_cache_in_place(llama):
     def hidden_out():
         own = [[] for _ in d.net.layers]
         views = [A.donor_view(c) for c in d.donors(ctx)]
-        return d.net.step(ctx.hidden[None], d.embed(prompt[-1:])[None], views, d.ropes, own, cache[0].offset)
+        return d.net.step(
+            ctx.hidden[None], d.embed(prompt[-1:])[None], views, d.ropes, own, cache[0].offset
+        )
 
     before = hidden_out()
     mx.eval(before)
@@ -157,7 +163,9 @@ def test_training_forward_equals_drafting(tiny_model, arch, layers):
     emb = model.model.embed_tokens(x)
     ropes = [A.rope_of(model, i) for i in cfg.donors]
     steps = 3
-    outs = net.unrolled(h, emb, [A.donor_view(caches[i]) for i in cfg.donors], ropes, cfg.windows, steps)
+    outs = net.unrolled(
+        h, emb, [A.donor_view(caches[i]) for i in cfg.donors], ropes, cfg.windows, steps
+    )
     checked = 0
     for t in (0, 4, 9, 15):  # t = 9, 15: the rotating cache has wrapped
         c = make_prompt_cache(model)
@@ -188,8 +196,9 @@ def assert_drafts_are_the_training_graph(model, drafter, prompt, n=30, k=3):
     cfg = drafter.cfg
     target = Target(model, cfg)
     h, emb, kv, _, _ = target.run(mx.array([seq], mx.uint32))
-    graph = drafter.net.unrolled(h, emb, [(k_, v_, None) for k_, v_ in kv], target.ropes, cfg.windows,
-                                 drafter.max_draft)
+    graph = drafter.net.unrolled(
+        h, emb, [(k_, v_, None) for k_, v_ in kv], target.ropes, cfg.windows, drafter.max_draft
+    )
     model.unfreeze()
     # The first draft comes right after the prefill: its state is the
     # prefill's, at the last prompt position but one.
@@ -214,7 +223,9 @@ def test_loop_drafts_are_the_training_graph(llama, gemma, trained):
     offsets, own keys after rollbacks) is what training computes."""
     model, tok = llama
     d, prompt, *_ = trained
-    d = A.AssistantDrafter(model, d.net, d.cfg, auto_off=False)  # drafts every round, no timing probes
+    d = A.AssistantDrafter(
+        model, d.net, d.cfg, auto_off=False
+    )  # drafts every round, no timing probes
     checks = assert_drafts_are_the_training_graph(model, d, prompt, 40)
     assert checks[1] > 0 and checks[2] > 0  # accepted chains: later steps compared too
     other = prompt_of(tok, "the quick brown fox jumps over the lazy dog")
@@ -222,7 +233,6 @@ def test_loop_drafts_are_the_training_graph(llama, gemma, trained):
     model, tok = gemma  # sliding-window and full donors, two layers, random weights
     fresh = fresh_drafter(model, layers=2, auto_off=False)
     assert_drafts_are_the_training_graph(model, fresh, prompt_of(tok, "one two three"), 6, k=2)
-
 
 
 @pytest.mark.parametrize("layers", [1, 2])
@@ -312,7 +322,9 @@ def test_stops_leave_exact_caches(llama, trained):
     ref = stock(model, prompt, 30)
     for stop_after in (1, 2, 5, 11):
         cache = make_prompt_cache(model) + d.make_cache()
-        gen = speculative_generate_step(prompt, model, d, num_draft_tokens=4, max_tokens=50, prompt_cache=cache)
+        gen = speculative_generate_step(
+            prompt, model, d, num_draft_tokens=4, max_tokens=50, prompt_cache=cache
+        )
         out = [next(gen)[0] for _ in range(stop_after)]
         gen.close()
         assert out == ref[:stop_after]
@@ -344,7 +356,9 @@ def test_quantized_kv_cache(tiny_model):
     for c in (cache, quantized):
         own = [[] for _ in d.net.layers]
         views = [A.donor_view(c[i]) for i in d.cfg.donors]
-        outs.append(d.net.step(h[:, -1:], d.embed(prompt[-1:])[None], views, d.ropes, own, c[0].offset))
+        outs.append(
+            d.net.step(h[:, -1:], d.embed(prompt[-1:])[None], views, d.ropes, own, c[0].offset)
+        )
     assert A.donor_view(quantized[d.cfg.donors[0]])[2] == (32, 8)
     assert mx.allclose(outs[0], outs[1], atol=0.05).item() and not mx.array_equal(outs[0], outs[1])
     kw = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=4)
@@ -366,8 +380,17 @@ def test_sampling_drafts_carry_their_distribution(llama, trained):
     assert toks.shape == (4,) and q.shape[0] == 4
     assert mx.allclose(q.sum(-1), mx.ones(4), atol=1e-4).item()
     mx.random.seed(0)
-    out = [t for t, _, _ in speculative_generate_step(prompt, model, d, num_draft_tokens=3, max_tokens=20,
-                                                      sampler=make_sampler(temp=0.7, top_p=0.9))]
+    out = [
+        t
+        for t, _, _ in speculative_generate_step(
+            prompt,
+            model,
+            d,
+            num_draft_tokens=3,
+            max_tokens=20,
+            sampler=make_sampler(temp=0.7, top_p=0.9),
+        )
+    ]
     assert len(out) == 20 and last_stats().drafted > 0
 
 
@@ -422,15 +445,30 @@ def test_plugin_flags(llama, trained, tmp_path):
     model, tok = llama
     d, *_ = trained
     A.save(tmp_path / "a", d.net, d.cfg)
-    args = Namespace(drafter="assistant", drafter_path=str(tmp_path / "a"), ngram_min=2, ngram_max=4,
-                     draft_max=None, fixed_draft=False, no_auto_off=False, num_draft_tokens=3)
+    args = Namespace(
+        drafter="assistant",
+        drafter_path=str(tmp_path / "a"),
+        ngram_min=2,
+        ngram_max=4,
+        draft_max=None,
+        fixed_draft=False,
+        no_auto_off=False,
+        num_draft_tokens=3,
+    )
     plugin._check(args)
     got = plugin.make_drafter("generate", model, tok, None, args, options=None)
     assert isinstance(got, A.AssistantDrafter) and got.max_draft == 6
     with pytest.raises(PluginError, match="--drafter-path"):
         plugin._check(Namespace(**{**vars(args), "drafter_path": None}))
     with pytest.raises(PluginError, match="does not exist"):
-        plugin.make_drafter("generate", model, tok, None, Namespace(**{**vars(args), "drafter_path": str(tmp_path / "x")}), None)
+        plugin.make_drafter(
+            "generate",
+            model,
+            tok,
+            None,
+            Namespace(**{**vars(args), "drafter_path": str(tmp_path / "x")}),
+            None,
+        )
     with pytest.raises(PluginError, match="does not exist"):
         plugin._check(Namespace(**{**vars(args), "drafter_path": str(tmp_path / "x")}))
 
@@ -446,24 +484,54 @@ def test_mlx_lm_generate_command(tiny_model, llama, trained, tmp_path):
     A.save(tmp_path / "a", d.net, d.cfg)
 
     def generate(model, *extra):
-        cmd = [sys.executable, "-m", "mlx_lm", "generate", "--model", str(model), "--prompt",
-               "one two three four five six seven eight nine ten", "--max-tokens", "24", "--verbose", "True", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            "one two three four five six seven eight nine ten",
+            "--max-tokens",
+            "24",
+            "--verbose",
+            "True",
+            *extra,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
     model = tiny_model("llama")
     stock_run = generate(model)
-    ours = generate(model, "--plugin", "spec-decode", "--drafter", "assistant", "--drafter-path", str(tmp_path / "a"))
+    ours = generate(
+        model,
+        "--plugin",
+        "spec-decode",
+        "--drafter",
+        "assistant",
+        "--drafter-path",
+        str(tmp_path / "a"),
+    )
     assert ours.returncode == 0, ours.stderr
     assert "Speculative decoding (assistant): drafted" in ours.stdout
     text = lambda out: out.split("==========")[1]  # noqa: E731
     assert text(ours.stdout) == text(stock_run.stdout)
-    other = generate(tiny_model("qwen3"), "--plugin", "spec-decode", "--drafter", "assistant",
-                     "--drafter-path", str(tmp_path / "a"))
+    other = generate(
+        tiny_model("qwen3"),
+        "--plugin",
+        "spec-decode",
+        "--drafter",
+        "assistant",
+        "--drafter-path",
+        str(tmp_path / "a"),
+    )
     # Refused once the model is loaded (make_drafter), not before.
     assert other.returncode != 0 and "different model" in other.stderr
     missing = generate(model, "--plugin", "spec-decode", "--drafter", "assistant")
     assert missing.returncode == 2 and "--drafter-path" in missing.stderr
-    wrong = generate(model, "--plugin", "spec-decode", "--drafter", "assistant", "--drafter-path", str(tmp_path))
+    wrong = generate(
+        model, "--plugin", "spec-decode", "--drafter", "assistant", "--drafter-path", str(tmp_path)
+    )
     assert wrong.returncode == 2 and "not an assistant drafter folder" in wrong.stderr
 
 
@@ -481,8 +549,14 @@ def test_training_starts_from_the_targets_own_prediction(llama):
     h = split[0](prompt[None, :-1], cache)[:, -1:]
     own = [[] for _ in net.layers]
     views = [A.donor_view(cache[i]) for i in cfg.donors]
-    out = net.step(h, model.model.embed_tokens(prompt[-1:])[None], views, [A.rope_of(model, i) for i in cfg.donors],
-                   own, cache[0].offset)
+    out = net.step(
+        h,
+        model.model.embed_tokens(prompt[-1:])[None],
+        views,
+        [A.rope_of(model, i) for i in cfg.donors],
+        own,
+        cache[0].offset,
+    )
     cos = (out * h).sum() / (mx.linalg.norm(out) * mx.linalg.norm(h))
     assert cos.item() > 0.999
     assert mx.argmax(split[1](out), -1).item() == mx.argmax(split[1](h), -1).item()
@@ -509,10 +583,30 @@ def test_mlx_lm_server_with_openai_client(tiny_model, llama, trained, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_path), "--host", "127.0.0.1", "--port",
-         str(port), "--plugin", "spec-decode", "--drafter", "assistant", "--drafter-path", str(tmp_path / "a"),
-         "--num-draft-tokens", "3"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "server",
+            "--model",
+            str(model_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--plugin",
+            "spec-decode",
+            "--drafter",
+            "assistant",
+            "--drafter-path",
+            str(tmp_path / "a"),
+            "--num-draft-tokens",
+            "3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while True:
@@ -521,22 +615,33 @@ def test_mlx_lm_server_with_openai_client(tiny_model, llama, trained, tmp_path):
                 break
             except Exception:
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(proc.stdout.read() if proc.poll() is not None else "server did not start")
+                    raise RuntimeError(
+                        proc.stdout.read() if proc.poll() is not None else "server did not start"
+                    ) from None
                 time.sleep(0.5)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+        client = OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0
+        )
         msgs = [{"role": "user", "content": "one two three four five six seven eight nine ten"}]
-        r = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=20, temperature=0)
+        r = client.chat.completions.create(
+            model="default_model", messages=msgs, max_tokens=20, temperature=0
+        )
         prompt = mx.array(tok.apply_chat_template(msgs, add_generation_prompt=True))
         want = tok.decode(stock(model, prompt, 20)).strip()  # the server drops the leading space
         assert r.choices[0].message.content.strip() == want
         spec_usage = r.usage.model_dump()["speculative_decoding"]
         assert spec_usage["drafter"] == "assistant" and spec_usage["drafted"] > 0
-        r2 = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=20, temperature=0)
+        r2 = client.chat.completions.create(
+            model="default_model", messages=msgs, max_tokens=20, temperature=0
+        )
         assert r2.choices[0].message.content.strip() == want
         assert r2.usage.model_dump()["prompt_tokens_details"]["cached_tokens"] > 0
-        r3 = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=12, temperature=0.8,
-                                            top_p=0.9)
-        assert r3.usage.model_dump()["speculative_decoding"]["emitted"] == r3.usage.completion_tokens
+        r3 = client.chat.completions.create(
+            model="default_model", messages=msgs, max_tokens=12, temperature=0.8, top_p=0.9
+        )
+        assert (
+            r3.usage.model_dump()["speculative_decoding"]["emitted"] == r3.usage.completion_tokens
+        )
     finally:
         proc.terminate()
         try:

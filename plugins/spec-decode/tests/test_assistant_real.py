@@ -8,8 +8,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from mlx_lm_spec_decode import last_stats, speculative_generate_step
 from mlx_lm_spec_decode import assistant as A
+from mlx_lm_spec_decode import last_stats, speculative_generate_step
 from mlx_lm_spec_decode.training.distill import Target, loss_fn, schedule
 
 PROMPTS = [
@@ -31,8 +31,9 @@ def stock(model, prompt, n):
 @pytest.mark.slow
 def test_real_model_greedy_parity(smollm2_f32_path):
     model, tok = load(str(smollm2_f32_path))
-    chat = lambda text: mx.array(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                         add_generation_prompt=True))
+    chat = lambda text: mx.array(
+        tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    )
     # A drafter fit (with the training loss) to the model's own answer to
     # the first prompt, so that drafts are accepted there.
     first = chat(PROMPTS[0])
@@ -56,8 +57,12 @@ def test_real_model_greedy_parity(smollm2_f32_path):
     drafter = A.AssistantDrafter(model, net, cfg, auto_off=False)
     for i, text in enumerate(PROMPTS):
         p = chat(text)
-        assert [t for t, _, _ in speculative_generate_step(p, model, drafter, num_draft_tokens=3, max_tokens=32)] \
-            == stock(model, p, 32), text
+        assert [
+            t
+            for t, _, _ in speculative_generate_step(
+                p, model, drafter, num_draft_tokens=3, max_tokens=32
+            )
+        ] == stock(model, p, 32), text
         s = last_stats()
         assert s.drafted > 0
         if i == 0:

@@ -37,9 +37,31 @@ def data(tmp_path_factory):
 
 
 def flags(model, data, out, *extra):
-    return ["--model", str(model), "--data", str(data), "--out", str(out), "--batch-size", "2", "--seq-len", "32",
-            "--draft-steps", "2", "--lr", "1e-2", "--warmup", "1", "--steps", "8", "--max-data-tokens", "4000",
-            "--quiet", "--no-compile", *extra]
+    return [
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--draft-steps",
+        "2",
+        "--lr",
+        "1e-2",
+        "--warmup",
+        "1",
+        "--steps",
+        "8",
+        "--max-data-tokens",
+        "4000",
+        "--quiet",
+        "--no-compile",
+        *extra,
+    ]
 
 
 def records(out):
@@ -53,7 +75,9 @@ def test_loss_falls(tiny_model, data, tmp_path):
     assert main(flags(model, data, tmp_path / "a", "--max-data-tokens", "64", "--lr", "3e-3")) == 0
     recs = records(tmp_path / "a")
     losses = [r["loss"] for r in recs]
-    assert losses[-1] < losses[0] - 0.3 and all(b <= a + 0.02 for a, b in zip(losses, losses[1:]))
+    assert losses[-1] < losses[0] - 0.3 and all(
+        b <= a + 0.02 for a, b in zip(losses, losses[1:], strict=False)
+    )
     assert recs[-1]["top1"][0] > recs[0]["top1"][0]
 
 
@@ -72,7 +96,7 @@ def test_resume_is_exact(tiny_model, data, tmp_path):
     assert main(flags(model, data, tmp_path / "b")) == 0
     resumed = records(tmp_path / "b")
     assert [r["step"] for r in resumed] == list(range(1, 9))
-    for a, b in zip(full, resumed):
+    for a, b in zip(full, resumed, strict=False):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
     wa = mx.load(str(tmp_path / "a" / CKPT / "weights.safetensors"))
     wb = mx.load(str(tmp_path / "b" / CKPT / "weights.safetensors"))
@@ -85,7 +109,12 @@ def test_resume_is_exact(tiny_model, data, tmp_path):
     target, tok = load(str(model))
     d = A.load(tmp_path / "a", target)
     prompt = mx.array(tok.encode("def decode(self, s):"))
-    out = [t for t, _, _ in speculative_generate_step(prompt, target, d, num_draft_tokens=3, max_tokens=12)]
+    out = [
+        t
+        for t, _, _ in speculative_generate_step(
+            prompt, target, d, num_draft_tokens=3, max_tokens=12
+        )
+    ]
     assert len(out) == 12 and last_stats().drafter == "assistant"
 
 
@@ -95,15 +124,22 @@ def test_held_out_rows_are_never_trained_on(tiny_model, data, tmp_path):
     chat = np.arange(1000, 1120, dtype=np.uint32)  # 30 rows of chats
     mask = (np.arange(120) % 10 >= 4).astype(np.uint8)  # 4 prompt tokens, then 6 answer tokens
     batch, n_text, n_chat, evals = make_batches(args, corpus, chat, mask)
-    assert (n_text, n_chat) == (47, 27) and evals["text"][0].shape == evals["chat"][0].shape == (3, 4)
+    assert (n_text, n_chat) == (47, 27) and evals["text"][0].shape == evals["chat"][0].shape == (
+        3,
+        4,
+    )
     held = {tuple(r) for x, _ in evals.values() for r in x.tolist()}
     seen = set()
     for i in range(100):
         x, w = batch(i)
-        for r, rw in zip(x.tolist(), w.tolist()):
+        for r, rw in zip(x.tolist(), w.tolist(), strict=False):
             seen.add(tuple(r))
             # A row position counts where the next token is an answer token (text: everywhere).
-            want = [1.0] * 4 if r[0] < 1000 else [float(mask[t - 1000 + 1 if j < 3 else t - 1000] ) for j, t in enumerate(r)]
+            want = (
+                [1.0] * 4
+                if r[0] < 1000
+                else [float(mask[t - 1000 + 1 if j < 3 else t - 1000]) for j, t in enumerate(r)]
+            )
             assert rw == want, (r, rw)
     assert len(held) == 6 and not held & seen and len(seen) == 47 + 27
     assert evals["text"][1].tolist() == [[1.0] * 4] * 3
@@ -136,23 +172,47 @@ def test_changed_settings_and_bad_data_are_clear_errors(tiny_model, data, tmp_pa
     assert main(flags(model, data, tmp_path / "d", "--steps", "auto")) == 2
     assert "--steps auto needs --time-limit" in capsys.readouterr().err
     # --restart discards the old run.
-    assert main(flags(model, data, tmp_path / "a", "--seq-len", "16", "--stop-after", "1", "--restart")) == 0
+    assert (
+        main(
+            flags(model, data, tmp_path / "a", "--seq-len", "16", "--stop-after", "1", "--restart")
+        )
+        == 0
+    )
     assert [r["step"] for r in records(tmp_path / "a")] == [1]
 
 
 def test_generated_chat_data(tiny_model, data, tmp_path):
     model = tiny_model("llama")
     (tmp_path / "a").mkdir()
-    shutil.copy(data / "textwrap.py", tmp_path / "a" / DATA_FILE)  # stale, unreadable, no checkpoint: remade
-    assert main(flags(model, data, tmp_path / "a", "--generate", "3", "--generate-tokens", "6", "--stop-after", "1")) == 0
+    shutil.copy(
+        data / "textwrap.py", tmp_path / "a" / DATA_FILE
+    )  # stale, unreadable, no checkpoint: remade
+    assert (
+        main(
+            flags(
+                model,
+                data,
+                tmp_path / "a",
+                "--generate",
+                "3",
+                "--generate-tokens",
+                "6",
+                "--stop-after",
+                "1",
+            )
+        )
+        == 0
+    )
     d = mx.load(str(tmp_path / "a" / DATA_FILE))
     _, tok = load(str(model))
     text = tok.decode(d["chat"].tolist())
     assert text.count("<|im_start|>assistant") == 3 and d["corpus"].size == 4000
     # The answer mask: the tokens after each "<|im_start|>assistant\n", through the EOS.
     ids, mask = d["chat"].tolist(), d["chat_mask"].tolist()
-    answers = tok.decode([t for t, m in zip(ids, mask) if m])
-    assert len(mask) == len(ids) and "<|im_start|>" not in answers and answers.count("<|im_end|>") == 3
+    answers = tok.decode([t for t, m in zip(ids, mask, strict=False) if m])
+    assert (
+        len(mask) == len(ids) and "<|im_start|>" not in answers and answers.count("<|im_end|>") == 3
+    )
     assert sum(mask) < len(mask) / 2
 
 
@@ -162,7 +222,9 @@ def test_batched_greedy_answers_are_greedy_answers(tiny_model):
     from mlx_lm.generate import generate_step
 
     model, tok = load(str(tiny_model("llama", seed=2)))
-    prompts = [tok.encode(t) for t in ("a", "one two three four five six seven", "the quick brown fox")]
+    prompts = [
+        tok.encode(t) for t in ("a", "one two three four five six seven", "the quick brown fox")
+    ]
     ref = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=10)] for p in prompts]
     split = target_mod.split(model)
     assert greedy_batch(model, split, prompts, 10, {2}) == ref
@@ -174,9 +236,19 @@ def test_batched_greedy_answers_are_greedy_answers(tiny_model):
 def test_the_mlx_lm_ext_command(tiny_model, data, tmp_path):
     """The subcommand as users run it, through the host's plugin discovery."""
     exe = Path(sys.executable).with_name("mlx-lm-ext")
-    cmd = [str(exe), "train-drafter", *flags(tiny_model("llama"), data, tmp_path / "a", "--steps", "2")]
+    cmd = [
+        str(exe),
+        "train-drafter",
+        *flags(tiny_model("llama"), data, tmp_path / "a", "--steps", "2"),
+    ]
     cmd.remove("--quiet")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert r.returncode == 0, r.stderr
     assert "train-drafter" in r.stderr and "top1" in r.stderr  # the progress bar
     assert "--drafter assistant --drafter-path" in r.stderr

@@ -1,7 +1,6 @@
 """End to end through mlx-lm's own commands: mlx_lm.generate --verbose and
 mlx_lm.server with the openai client (127.0.0.1 only)."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -9,12 +8,24 @@ import time
 
 import pytest
 
-PROMPT = "Repeat exactly: one two three four five six seven eight nine ten. one two three four five six seven eight nine ten."
+PROMPT = "Repeat exactly: " + "one two three four five six seven eight nine ten. " * 2
+PROMPT = PROMPT.rstrip()
 
 
 def run_generate(model, *extra):
-    cmd = [sys.executable, "-m", "mlx_lm", "generate", "--model", str(model), "--prompt", PROMPT,
-           "--max-tokens", "24", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "24",
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -22,8 +33,17 @@ def test_generate_verbose_prints_figures_and_matches_stock(tiny_model):
     model = tiny_model("llama")
     stock = run_generate(model, "--verbose", "True")
     assert stock.returncode == 0, stock.stderr
-    ours = run_generate(model, "--plugin", "spec-decode", "--drafter", "ngram", "--ngram-min", "1",
-                        "--verbose", "True")
+    ours = run_generate(
+        model,
+        "--plugin",
+        "spec-decode",
+        "--drafter",
+        "ngram",
+        "--ngram-min",
+        "1",
+        "--verbose",
+        "True",
+    )
     assert ours.returncode == 0, ours.stderr
     assert "Speculative decoding (ngram): drafted" in ours.stdout
     assert "tokens per target forward" in ours.stdout
@@ -52,9 +72,26 @@ def server(tiny_model, request):
     flags = [str(tiny_model(f[1:])) if f.startswith("@") else f for f in flags]
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--host", "127.0.0.1",
-         "--port", str(port), "--plugin", "spec-decode", "--num-draft-tokens", "4", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--plugin",
+            "spec-decode",
+            "--num-draft-tokens",
+            "4",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     import urllib.request
 
@@ -65,7 +102,7 @@ def server(tiny_model, request):
             break
         except Exception:
             if proc.poll() is not None:
-                raise RuntimeError(proc.stdout.read())
+                raise RuntimeError(proc.stdout.read()) from None
             time.sleep(0.5)
     yield f"http://127.0.0.1:{port}/v1", proc
     if proc.poll() is None:
@@ -83,7 +120,9 @@ def test_server_usage_carries_acceptance(server):
     base, proc = server
     client = OpenAI(base_url=base, api_key="none", timeout=120, max_retries=0)
     msgs = [{"role": "user", "content": PROMPT}]
-    r = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=24, temperature=0)
+    r = client.chat.completions.create(
+        model="default_model", messages=msgs, max_tokens=24, temperature=0
+    )
     usage = r.usage.model_dump()
     spec = usage["speculative_decoding"]
     assert spec["drafter"] == "ngram" and spec["emitted"] == usage["completion_tokens"]
@@ -93,14 +132,24 @@ def test_server_usage_carries_acceptance(server):
     assert details["rejected_prediction_tokens"] == spec["drafted"] - spec["accepted"]
 
     # Same request again: served from the prompt cache, same greedy text.
-    r2 = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=24, temperature=0)
+    r2 = client.chat.completions.create(
+        model="default_model", messages=msgs, max_tokens=24, temperature=0
+    )
     assert r2.choices[0].message.content == r.choices[0].message.content
     assert r2.usage.model_dump()["prompt_tokens_details"]["cached_tokens"] > 0
 
     # Streaming, with sampling, usage in the last chunk.
-    chunks = list(client.chat.completions.create(
-        model="default_model", messages=msgs, max_tokens=16, temperature=0.7, top_p=0.9,
-        stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="default_model",
+            messages=msgs,
+            max_tokens=16,
+            temperature=0.7,
+            top_p=0.9,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     last = chunks[-1].usage.model_dump()
     assert last["speculative_decoding"]["emitted"] == last["completion_tokens"]
 
@@ -116,8 +165,16 @@ def test_server_with_a_draft_model(server):
 
     base, proc = server
     client = OpenAI(base_url=base, api_key="none", timeout=120, max_retries=0)
-    r = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": PROMPT}],
-                                       max_tokens=12, temperature=0)
+    r = client.chat.completions.create(
+        model="default_model",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=12,
+        temperature=0,
+    )
     spec = r.usage.model_dump()["speculative_decoding"]
     # The draft model is the target itself here: every draft is accepted.
-    assert spec["drafter"] == "draft-model" and spec["drafted"] > 0 and spec["accepted"] == spec["drafted"]
+    assert (
+        spec["drafter"] == "draft-model"
+        and spec["drafted"] > 0
+        and spec["accepted"] == spec["drafted"]
+    )

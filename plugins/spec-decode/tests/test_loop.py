@@ -12,17 +12,34 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import mlx_lm_ext
-from mlx_lm_spec_decode import DraftModelDrafter, Drafter, NGramDrafter, last_stats, speculative_generate_step
+from mlx_lm_spec_decode import (
+    Drafter,
+    DraftModelDrafter,
+    NGramDrafter,
+    last_stats,
+    speculative_generate_step,
+)
 from mlx_lm_spec_decode.loop import n_target_caches
 
 
-
 def stock(model, prompt, n, cache=None):
-    return [t for t, _ in zip((int(t) for t, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=cache)), range(n))]
+    return [
+        t
+        for t, _ in zip(
+            (int(t) for t, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=cache)),
+            range(n),
+            strict=False,
+        )
+    ]
 
 
 def spec(model, drafter, prompt, n, k=3, cache=None, **kw):
-    return [t for t, _, _ in speculative_generate_step(prompt, model, drafter, num_draft_tokens=k, max_tokens=n, prompt_cache=cache, **kw)]
+    return [
+        t
+        for t, _, _ in speculative_generate_step(
+            prompt, model, drafter, num_draft_tokens=k, max_tokens=n, prompt_cache=cache, **kw
+        )
+    ]
 
 
 def assert_exact(model, cache, seq):
@@ -39,9 +56,11 @@ def assert_exact(model, cache, seq):
 @pytest.mark.parametrize("which", ["ngram", "draft-model", "self"])
 def test_greedy_parity_with_stock(tiny_llama, tiny_draft, which, repetitive_prompt):
     model, tok = tiny_llama
-    drafter = {"ngram": lambda: NGramDrafter(n_min=1),
-               "draft-model": lambda: DraftModelDrafter(tiny_draft),
-               "self": lambda: DraftModelDrafter(model, auto_off=False)}[which]()
+    drafter = {
+        "ngram": lambda: NGramDrafter(n_min=1),
+        "draft-model": lambda: DraftModelDrafter(tiny_draft),
+        "self": lambda: DraftModelDrafter(model, auto_off=False),
+    }[which]()
     prompt = repetitive_prompt(tok)
     ref = stock(model, prompt, 40)
     assert spec(model, drafter, prompt, 40) == ref
@@ -58,12 +77,14 @@ def test_cache_exact_after_consumer_close(tiny_llama, which, stop_after, repetit
     drafter = NGramDrafter(n_min=1) if which == "ngram" else DraftModelDrafter(model)
     prompt = repetitive_prompt(tok)
     cache = make_prompt_cache(model) + drafter.make_cache()
-    gen = speculative_generate_step(prompt, model, drafter, num_draft_tokens=4, max_tokens=100, prompt_cache=cache)
+    gen = speculative_generate_step(
+        prompt, model, drafter, num_draft_tokens=4, max_tokens=100, prompt_cache=cache
+    )
     out = [next(gen)[0] for _ in range(stop_after)]
     gen.close()
     seq = prompt.tolist() + out
     assert_exact(model, cache, seq)
-    dcache = cache[n_target_caches(model):]
+    dcache = cache[n_target_caches(model) :]
     if which == "ngram":
         assert dcache[0].tokens == seq
     else:  # the draft model's cache holds the same tokens as the target's
@@ -89,7 +110,9 @@ def enabled():
 
 
 @pytest.mark.parametrize("eos_at", [0, 3, 6, 9])
-def test_cache_exact_after_eos_through_stream_generate(tiny_llama, enabled, eos_at, repetitive_prompt):
+def test_cache_exact_after_eos_through_stream_generate(
+    tiny_llama, enabled, eos_at, repetitive_prompt
+):
     model, tok = tiny_llama
     prompt = repetitive_prompt(tok)
     ref = stock(model, prompt, 20)
@@ -97,8 +120,18 @@ def test_cache_exact_after_eos_through_stream_generate(tiny_llama, enabled, eos_
     wrapper = TokenizerWrapper(tok._tokenizer, eos_token_ids=[eos])
     drafter = NGramDrafter(n_min=1)
     cache = make_prompt_cache(model) + drafter.make_cache()
-    got = [r.token for r in stream_generate(model, wrapper, prompt, max_tokens=50, draft_model=drafter,
-                                            num_draft_tokens=4, prompt_cache=cache)]
+    got = [
+        r.token
+        for r in stream_generate(
+            model,
+            wrapper,
+            prompt,
+            max_tokens=50,
+            draft_model=drafter,
+            num_draft_tokens=4,
+            prompt_cache=cache,
+        )
+    ]
     first = ref.index(eos)
     assert got == ref[: first + 1]
     # mlx-lm's server keys the cache by prompt + every token it got, EOS included.
@@ -125,7 +158,9 @@ def test_plain_module_left_to_mlx_lm(tiny_llama, tiny_draft, enabled, repetitive
     from mlx_lm_spec_decode import plugin
 
     assert plugin.speculative_generate_step(prompt, model, tiny_draft, {}) is None
-    got = [r.token for r in stream_generate(model, tok, prompt, max_tokens=6, draft_model=tiny_draft)]
+    got = [
+        r.token for r in stream_generate(model, tok, prompt, max_tokens=6, draft_model=tiny_draft)
+    ]
     assert len(got) == 6
 
 
@@ -207,7 +242,7 @@ def test_hidden_state_reaches_drafters_that_ask(tiny_llama, repetitive_prompt):
     # before the third, out[0]'s position.
     seqs = (prompt.tolist()[:-1], prompt.tolist(), prompt.tolist() + out[:1])
     assert len(d.seen) >= 3
-    for seen, seq in zip(d.seen, seqs):
+    for seen, seq in zip(d.seen, seqs, strict=False):
         want = model.model(mx.array(seq)[None])[0, -1:]
         assert mx.allclose(seen, want, atol=1e-4).item()
     one = HiddenProbe()  # a one-token prompt has no state before its token
@@ -240,7 +275,14 @@ def test_kv_quantization_switches_where_plain_decoding_does(tiny_model, repetiti
     prompt = repetitive_prompt(tok)
     start = prompt.size + 5
     kw = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=start)
-    ref = [int(t) for t, _ in zip((t for t, _ in generate_step(prompt, model, max_tokens=20, **kw)), range(20))]
+    ref = [
+        int(t)
+        for t, _ in zip(
+            (t for t, _ in generate_step(prompt, model, max_tokens=20, **kw)),
+            range(20),
+            strict=False,
+        )
+    ]
     drafter = NGramDrafter(n_min=1)
     cache = make_prompt_cache(model) + drafter.make_cache()
     out = spec(model, drafter, prompt, 20, k=4, cache=cache, **kw)
@@ -261,7 +303,9 @@ def test_costly_drafter_is_switched_off_after_one_round(tiny_llama, repetitive_p
 
         def draft(self, ctx, n):
             _time.sleep(0.3 * n)
-            return mx.array(stock(model, mx.array(ctx.state.setdefault("seq", prompt.tolist())), n)), None
+            return mx.array(
+                stock(model, mx.array(ctx.state.setdefault("seq", prompt.tolist())), n)
+            ), None
 
         def accept(self, ctx, tokens, n_drafted):
             ctx.state["seq"] = ctx.state.get("seq", prompt.tolist()) + tokens

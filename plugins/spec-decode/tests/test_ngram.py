@@ -1,7 +1,6 @@
 import copy
 import random
 
-import mlx.core as mx
 import pytest
 
 from mlx_lm_spec_decode import NGramCache, NGramDrafter
@@ -96,7 +95,7 @@ def test_match_length_that_keeps_failing_is_silenced_and_heard_again():
     fresh = DraftContext(None, [], ctx.cache)  # a new request starts afresh
     assert d.draft(fresh, 2)[0]
     # Silent guesses are still checked: once they come true, drafting resumes.
-    for i in range(8):
+    for _ in range(8):
         tokens, _ = d.draft(ctx, 1)
         guess = ctx.state["guess"][1]
         d.accept(ctx, [guess, 1, 2], 1 if tokens else 0)

@@ -13,12 +13,18 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_lm_spec_decode import DraftModelDrafter, NGramDrafter, last_stats, speculative_generate_step
+from mlx_lm_spec_decode import (
+    DraftModelDrafter,
+    NGramDrafter,
+    last_stats,
+    speculative_generate_step,
+)
 
 N = 40
 
 PROMPTS = [
-    "Here is a function:\n\n" + inspect.getsource(textwrap.dedent)[:900]
+    "Here is a function:\n\n"
+    + inspect.getsource(textwrap.dedent)[:900]
     + "\nRewrite it with the variable `margin` renamed to `common`. Output the code only.",
     "Passage: The Python Software Foundation is a non-profit organization devoted to the Python "
     "programming language. It manages the open source licensing for Python.\n"
@@ -39,12 +45,23 @@ def smollm2(smollm2_f32_path, smollm2_path):
 def test_greedy_token_identical_on_every_prompt(smollm2):
     model, tok, draft = smollm2
     for text in PROMPTS:
-        prompt = mx.array(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-        ref = [int(t) for t, _ in zip((t for t, _ in generate_step(prompt, model, max_tokens=N)), range(N))]
+        prompt = mx.array(
+            tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        )
+        ref = [
+            int(t)
+            for t, _ in zip(
+                (t for t, _ in generate_step(prompt, model, max_tokens=N)), range(N), strict=False
+            )
+        ]
         for drafter in (NGramDrafter(), DraftModelDrafter(draft, auto_off=False)):
             cache = make_prompt_cache(model) + drafter.make_cache()
-            out = [t for t, _, _ in speculative_generate_step(
-                prompt, model, drafter, num_draft_tokens=3, max_tokens=N, prompt_cache=cache)]
+            out = [
+                t
+                for t, _, _ in speculative_generate_step(
+                    prompt, model, drafter, num_draft_tokens=3, max_tokens=N, prompt_cache=cache
+                )
+            ]
             assert out == ref, (drafter.name, text[:40], tok.decode(out), tok.decode(ref))
             assert cache[0].offset == prompt.size + N
             if drafter.name == "draft-model":

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
-from mlx_lm_spec_decode import DraftModelDrafter, Drafter, speculative_generate_step
+from mlx_lm_spec_decode import Drafter, DraftModelDrafter, speculative_generate_step
 from mlx_lm_spec_decode.sampling import describe
 
 N = 600
@@ -70,14 +70,24 @@ def run(model, drafter, prompt, sampler, processors):
     cache = make_prompt_cache(model) + drafter.make_cache()
     model(mx.array(prompt[:-1])[None], cache=cache[: len(model.layers)])
     if drafter.make_cache():
-        drafter.model(mx.array(prompt[:-1])[None], cache=cache[len(model.layers):])
+        drafter.model(mx.array(prompt[:-1])[None], cache=cache[len(model.layers) :])
     start = cache[0].offset
     first, second = Counter(), Counter()
     for _ in range(N):
         # The cache is exact after close, so trimming it back restores the prompt.
-        toks = [t for t, _, _ in speculative_generate_step(
-            mx.array(prompt[-1:]), model, drafter, num_draft_tokens=2, max_tokens=2,
-            sampler=sampler, logits_processors=processors, prompt_cache=cache)]
+        toks = [
+            t
+            for t, _, _ in speculative_generate_step(
+                mx.array(prompt[-1:]),
+                model,
+                drafter,
+                num_draft_tokens=2,
+                max_tokens=2,
+                sampler=sampler,
+                logits_processors=processors,
+                prompt_cache=cache,
+            )
+        ]
         first[toks[0]] += 1
         second[tuple(toks)] += 1
         assert cache[0].offset == start + 3  # the last prompt token and the two emitted
@@ -123,7 +133,9 @@ def test_speculative_sampling_matches_target_distribution(tiny_llama, tiny_draft
     # Draft the second most likely token, then a likely follower of it: both
     # acceptance and rejection happen often.
     d1 = top[1]
-    d2 = max(target_probs(model, prompt + [d1], filt, processors, 2).items(), key=lambda kv: kv[1])[0]
+    d2 = max(target_probs(model, prompt + [d1], filt, processors, 2).items(), key=lambda kv: kv[1])[
+        0
+    ]
     drafter = DraftModelDrafter(tiny_draft, auto_off=False) if cfg.get("draft") else Fixed([d1, d2])
 
     first, pairs = run(model, drafter, prompt, sampler, processors)

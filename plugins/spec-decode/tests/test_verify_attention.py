@@ -13,7 +13,11 @@ from mlx_lm_spec_decode import target as target_mod
 
 def _qkv(hq, hkv, n, s, d=16, seed=0):
     mx.random.seed(seed)
-    return (mx.random.normal((2, hq, n, d)), mx.random.normal((2, hkv, s, d)), mx.random.normal((2, hkv, s, d)))
+    return (
+        mx.random.normal((2, hq, n, d)),
+        mx.random.normal((2, hkv, s, d)),
+        mx.random.normal((2, hkv, s, d)),
+    )
 
 
 def _masks(hq, n, s):
@@ -79,10 +83,17 @@ def test_policy_from_environment(monkeypatch):
 
 @pytest.mark.parametrize("policy", ["explicit", "padded"])
 @pytest.mark.parametrize("which", ["self", "ngram"])
-def test_loop_uses_it_and_stays_greedy_identical(tiny_llama, repetitive_prompt, monkeypatch, policy, which):
+def test_loop_uses_it_and_stays_greedy_identical(
+    tiny_llama, repetitive_prompt, monkeypatch, policy, which
+):
     model, tok = tiny_llama
     prompt = repetitive_prompt(tok)
-    ref = [int(t) for t, _ in zip((t for t, _ in generate_step(prompt, model, max_tokens=40)), range(40))]
+    ref = [
+        int(t)
+        for t, _ in zip(
+            (t for t, _ in generate_step(prompt, model, max_tokens=40)), range(40), strict=False
+        )
+    ]
     calls = {"explicit": 0, "padded": 0}
     for name in calls:
         real = getattr(target_mod, f"{name}_attention")
@@ -94,7 +105,12 @@ def test_loop_uses_it_and_stays_greedy_identical(tiny_llama, repetitive_prompt, 
         monkeypatch.setattr(target_mod, f"{name}_attention", counted)
     monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", policy)
     drafter = DraftModelDrafter(model, auto_off=False) if which == "self" else NGramDrafter(n_min=1)
-    out = [t for t, _, _ in speculative_generate_step(prompt, model, drafter, num_draft_tokens=3, max_tokens=40)]
+    out = [
+        t
+        for t, _, _ in speculative_generate_step(
+            prompt, model, drafter, num_draft_tokens=3, max_tokens=40
+        )
+    ]
     assert out == ref
     assert calls[policy] > 0
     if policy == "explicit":
@@ -109,7 +125,9 @@ def test_loop_uses_it_and_stays_greedy_identical(tiny_llama, repetitive_prompt, 
 def test_bad_policy_fails_before_the_first_token(tiny_llama, repetitive_prompt, monkeypatch):
     model, tok = tiny_llama
     monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", "flash")
-    gen = speculative_generate_step(repetitive_prompt(tok), model, NGramDrafter(n_min=1), max_tokens=5)
+    gen = speculative_generate_step(
+        repetitive_prompt(tok), model, NGramDrafter(n_min=1), max_tokens=5
+    )
     with pytest.raises(ValueError, match="MLX_LM_SPEC_ATTENTION must be one of"):
         next(gen)
 
@@ -120,5 +138,9 @@ def test_fused_policy_leaves_attention_alone(tiny_llama, repetitive_prompt, monk
     monkeypatch.setattr(target_mod, "explicit_attention", lambda *a, **k: seen.append(1))
     monkeypatch.setattr(target_mod, "padded_attention", lambda *a, **k: seen.append(1))
     monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", "fused")
-    list(speculative_generate_step(repetitive_prompt(tok), model, NGramDrafter(n_min=1), max_tokens=20))
+    list(
+        speculative_generate_step(
+            repetitive_prompt(tok), model, NGramDrafter(n_min=1), max_tokens=20
+        )
+    )
     assert not seen

@@ -67,8 +67,12 @@ class SSDPromptCache(LRUPromptCache):
         super().__init__(max_size, max_bytes)
         self._trie = _SpillingTrie(self._spill)
         self.disk = tier or DiskTier(
-            directory, disk_bytes, verify=verify, settings=settings,
-            live_models=live_models, extra_classes=extra_classes,
+            directory,
+            disk_bytes,
+            verify=verify,
+            settings=settings,
+            live_models=live_models,
+            extra_classes=extra_classes,
         )
 
     # ---------------------------------------------------------------- fetch

@@ -42,12 +42,15 @@ def add_parser(subparsers, default_dir) -> None:
 
 def _clear_flags(q: argparse.ArgumentParser) -> None:
     q.add_argument(
-        "--fingerprint", action="append", metavar="FP",
+        "--fingerprint",
+        action="append",
+        metavar="FP",
         help="only this fingerprint (repeatable; a prefix is enough)",
     )
     q.add_argument("-y", "--yes", action="store_true", help="delete without asking (for scripts)")
-    q.add_argument("--dry-run", action="store_true",
-                   help="show what would be deleted, delete nothing")
+    q.add_argument(
+        "--dry-run", action="store_true", help="show what would be deleted, delete nothing"
+    )
 
 
 # ------------------------------------------------------------------ helpers
@@ -86,8 +89,10 @@ def _note(root: Path, kind: str) -> None:
     elif kind == "missing":
         print(f"note: {root} does not exist")
     elif kind == "untagged":
-        print(f"note: {root} is not a tagged ssd-cache directory (no {safefs.TAG}); "
-              "`clear` refuses it")
+        print(
+            f"note: {root} is not a tagged ssd-cache directory (no {safefs.TAG}); "
+            "`clear` refuses it"
+        )
 
 
 def _wanted(fingerprint: str, prefixes: Optional[List[str]]) -> bool:
@@ -167,7 +172,7 @@ def _printable(text, limit: int = 200) -> str:
 def _table(rows) -> None:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip())
 
 
 def _gb(nbytes: int) -> str:
@@ -247,16 +252,29 @@ def cmd_ls(args) -> int:
                         tmp += 1
                         continue
                     mtime, tokens, ctype, size, status = _ls_row(fileformat, fd, name, st)
-                    rows.append((mtime, (f"{fp}/{ns}", name[:16], tokens, ctype,
-                                         f"{size / 1e6:.1f}", f"{(now - mtime) / 60:.0f} min",
-                                         status)))
+                    rows.append(
+                        (
+                            mtime,
+                            (
+                                f"{fp}/{ns}",
+                                name[:16],
+                                tokens,
+                                ctype,
+                                f"{size / 1e6:.1f}",
+                                f"{(now - mtime) / 60:.0f} min",
+                                status,
+                            ),
+                        )
+                    )
         except (OSError, ValueError):
             continue  # replaced by a link or removed since it was listed
     _note(root, kind)
     if rows:
         rows.sort(key=lambda r: -r[0])
-        _table([("fingerprint/namespace", "entry", "tokens", "type", "MB", "last used", "status")]
-               + [r for _, r in rows])
+        _table(
+            [("fingerprint/namespace", "entry", "tokens", "type", "MB", "last used", "status")]
+            + [r for _, r in rows]
+        )
     else:
         print(f"{root}: no entries")
     if tmp:

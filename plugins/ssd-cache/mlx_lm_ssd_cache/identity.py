@@ -133,8 +133,10 @@ def lazy_models(model_key):
         if p is not None:
             m = lazy_model(resolve(p))
             if m is None:
-                raise Unidentifiable(f"{p}: custom model code; its cache layout is known "
-                                     "once the server has loaded it")
+                raise Unidentifiable(
+                    f"{p}: custom model code; its cache layout is known "
+                    "once the server has loaded it"
+                )
             out.append(m)
     return out
 

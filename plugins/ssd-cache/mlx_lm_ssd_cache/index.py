@@ -147,10 +147,7 @@ class PrefixIndex:
             group = self._blocks.get((i, int(h[i])))
             if not group:
                 continue
-            real = [
-                e for e in group
-                if e.trimmable and np.array_equal(e.tokens[:i], tokens[:i])
-            ]
+            real = [e for e in group if e.trimmable and np.array_equal(e.tokens[:i], tokens[:i])]
             for e in real:
                 offer(e, min(i + common_length(e.tokens[i:], tokens[i:]), cap))
             if real:

@@ -22,8 +22,13 @@ from .fileformat import DTYPES, Corrupt
 log = logging.getLogger("mlx_lm_ssd_cache")
 
 # Caches whose arrays grow along the token axis (-2); the rest are fixed size.
-KV_CLASSES = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache",
-              "ConcatenateKVCache")
+KV_CLASSES = (
+    "KVCache",
+    "QuantizedKVCache",
+    "RotatingKVCache",
+    "ChunkedKVCache",
+    "ConcatenateKVCache",
+)
 FLOATS = ("F16", "BF16", "F32")
 
 
@@ -57,7 +62,7 @@ def reference(models, settings=None, exact_dtype=True) -> Reference:
         group, bits = settings.get("kv_group_size") or 64, settings["kv_bits"]
         quantized = [
             _describe(c.to_quantized(group_size=group, bits=bits)) if type(c) is KVCache else d
-            for c, d in zip(caches, layers)
+            for c, d in zip(caches, layers, strict=True)
         ]
     return Reference(layers, quantized, exact_dtype)
 
@@ -107,7 +112,7 @@ def _layer(name, state, want, header, exact, floats):
         got, ref = _items(state, "list"), _items(want["state"], "list")
         if len(got) != len(ref):
             raise Corrupt("sub-cache count differs")
-        for g, r in zip(got, ref):
+        for g, r in zip(got, ref, strict=True):
             (gs, gname), (rs, rname) = _items(g, "tuple"), _items(r, "tuple")
             _layer(gname, gs, {"class": rname, "state": rs}, header, exact, floats)
         return
@@ -145,7 +150,7 @@ def _match(x, r, tensors, kv, lengths, exact, floats):
         got = _items(x, kind)
         if len(got) != len(items):
             raise Corrupt("the state has another structure")
-        for g, w in zip(got, items):
+        for g, w in zip(got, items, strict=True):
             _match(g, w, tensors, kv, lengths, exact, floats)
     elif r is None:
         if x is not None:
@@ -171,13 +176,19 @@ def _lengths(name, got, ref, lengths, n_tokens):
         ok = got[0] == t == n_tokens and got[1:] == ref[1:]
     elif name == "RotatingKVCache":  # (offset, keep, max_size, idx)
         offset, keep, max_size, idx = got
-        ok = (offset == n_tokens and [keep, max_size] == ref[1:3] and 0 <= idx <= t <= offset
-              and (t == offset if offset < max_size else t >= max_size - 1))
+        ok = (
+            offset == n_tokens
+            and [keep, max_size] == ref[1:3]
+            and 0 <= idx <= t <= offset
+            and (t == offset if offset < max_size else t >= max_size - 1)
+        )
     elif name == "ChunkedKVCache":  # (offset, chunk_size, start_position)
         offset, chunk, start = got
         ok = offset == n_tokens and chunk == ref[1] and 0 <= start <= offset and t == offset - start
     else:  # ConcatenateKVCache: its offset is its buffer length
         ok = t == n_tokens
     if not ok:
-        raise Corrupt(f"offsets and settings {got} with {t} buffered tokens do not fit "
-                      f"{n_tokens} tokens and the model's {ref}")
+        raise Corrupt(
+            f"offsets and settings {got} with {t} buffered tokens do not fit "
+            f"{n_tokens} tokens and the model's {ref}"
+        )

@@ -25,9 +25,7 @@ def parse_bytes(text):
     """``"512M"`` -> 536870912. K/M/G/T are powers of 1024; a B/iB tail is fine."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.I)
     if not m:
-        raise PluginError(
-            f"--ssd-cache-bytes: {text!r} is not a size (examples: 500M, 20G, 1T)"
-        )
+        raise PluginError(f"--ssd-cache-bytes: {text!r} is not a size (examples: 500M, 20G, 1T)")
     value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if value <= 0:
         raise PluginError(f"--ssd-cache-bytes: {text!r} must be more than 0 bytes")
@@ -122,7 +120,8 @@ def _claim(directory):
         raise PluginError(f"--ssd-cache-dir: {e}") from None
     except OSError as e:  # read-only or full: the tier degrades to misses and skips
         logging.getLogger("mlx_lm_ssd_cache").warning(
-            "ssd-cache: cannot prepare %s: %s", directory, e)
+            "ssd-cache: cannot prepare %s: %s", directory, e
+        )
 
 
 @hookimpl
@@ -164,12 +163,17 @@ def make_prompt_cache(args, options, max_size, max_bytes):
 
     directory, cap, verify = options["directory"], options["max_bytes"], options["verify"]
     settings = {
-        k: getattr(args, k, None)
-        for k in ("kv_bits", "kv_group_size", "quantized_kv_start")
+        k: getattr(args, k, None) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")
     }
     cache = SSDPromptCache(
-        max_size, max_bytes, directory=directory, disk_bytes=cap, verify=verify,
-        settings=settings, live_models=live_models, extra_classes=_extra_classes,
+        max_size,
+        max_bytes,
+        directory=directory,
+        disk_bytes=cap,
+        verify=verify,
+        settings=settings,
+        live_models=live_models,
+        extra_classes=_extra_classes,
     )
     model = getattr(args, "model", None)
     if model:

@@ -179,7 +179,8 @@ def spaces(root) -> List[Tuple[str, str]]:
                 try:
                     with open_dir(fp, rfd) as ffd:
                         out += [
-                            (fp, ns) for ns in sorted(os.listdir(ffd))
+                            (fp, ns)
+                            for ns in sorted(os.listdir(ffd))
                             if NAMESPACE.fullmatch(ns) and _is_dir_at(ns, ffd)
                         ]
                 except OSError:

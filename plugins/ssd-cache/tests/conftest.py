@@ -61,9 +61,17 @@ class Server:
         else:
             start = [str(Path(sys.executable).with_name("mlx_lm.server"))]
         cmd = [
-            *start, "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--plugin", "ssd-cache", "--ssd-cache-dir", str(cache_dir),
+            *start,
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--plugin",
+            "ssd-cache",
+            "--ssd-cache-dir",
+            str(cache_dir),
             *extra,
         ]
         full_env = dict(os.environ, **(env or {}))
@@ -94,10 +102,13 @@ class Server:
 
         body = {
             "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0.0, **extra,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            **extra,
         }
         req = urllib.request.Request(
-            self.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+            self.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=timeout) as r:

@@ -1,7 +1,6 @@
 """SSDPromptCache: stock behaviour in memory, store/find/restore/evict/scan on disk."""
 
 import logging
-import os
 import random
 import shutil
 
@@ -40,7 +39,9 @@ def ssd(tmp_path, **kw):
 
 def lru_state(c):
     return (
-        len(c), c.nbytes, c.stats_by_type(),
+        len(c),
+        c.nbytes,
+        c.stats_by_type(),
         {k: list(v) for k, v in c._lru._lrus.items()},
     )
 
@@ -209,7 +210,7 @@ def test_byte_cap_evicts_least_recently_used(tiny, tmp_path):
     seqs = [[i] * 33 for i in range(4)]
     caches = [prefill(model, s) for s in seqs]
     c = ssd(tmp_path)
-    for s, cache in zip(seqs[:3], caches[:3]):
+    for s, cache in zip(seqs[:3], caches[:3], strict=False):
         c.insert_cache(key, s, cache)
         c.flush(30)
     size = max(p.stat().st_size for p in _entries(tmp_path))

@@ -28,8 +28,9 @@ REJECTED = ENTRY2 + ".rejected"
 
 
 def run(*argv, stdin=subprocess.DEVNULL):
-    return subprocess.run([str(CLI), "ssd-cache", *argv], stdin=stdin,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(CLI), "ssd-cache", *argv], stdin=stdin, capture_output=True, text=True, timeout=120
+    )
 
 
 def snapshot(top: Path) -> dict:
@@ -44,8 +45,12 @@ def snapshot(top: Path) -> dict:
             elif p.is_dir():
                 out[str(p)] = ("dir",)
             else:
-                out[str(p)] = ("file", st.st_size, st.st_mtime_ns,
-                               hashlib.sha256(p.read_bytes()).hexdigest())
+                out[str(p)] = (
+                    "file",
+                    st.st_size,
+                    st.st_mtime_ns,
+                    hashlib.sha256(p.read_bytes()).hexdigest(),
+                )
     return out
 
 
@@ -148,9 +153,16 @@ def test_clear_refuses_untagged_directories(tmp_path, world):
 def test_clear_leaves_files_that_are_not_the_tiers(tmp_path, world):
     root, victim, own = world
     space = root / FP / "base"
-    foreign = [root / "notes.txt", root / "model.safetensors", root / FP / "other.bin",
-               space / "model.safetensors", space / "x.tmp", space / "README",
-               space / (ENTRY + ".bak"), space / ("C" * 32 + ".safetensors")]
+    foreign = [
+        root / "notes.txt",
+        root / "model.safetensors",
+        root / FP / "other.bin",
+        space / "model.safetensors",
+        space / "x.tmp",
+        space / "README",
+        space / (ENTRY + ".bak"),
+        space / ("C" * 32 + ".safetensors"),
+    ]
     for p in foreign:
         p.write_bytes(b"keep me")
     (space / ("e" * 32 + ".safetensors")).mkdir()  # an entry name that is a folder
@@ -233,8 +245,10 @@ def test_ls_and_stats_say_when_untagged(tmp_path, world):
     tier_files(lookalike / FP / "base")
     link = tmp_path / "link"
     link.symlink_to(root, target_is_directory=True)
-    for d, says, entries in ((lookalike, "not a tagged", "1 entries"),
-                             (link, "symbolic link", "0 entries")):
+    for d, says, entries in (
+        (lookalike, "not a tagged", "1 entries"),
+        (link, "symbolic link", "0 entries"),
+    ):
         r = run("stats", "--dir", str(d))
         assert r.returncode == 0 and says in r.stdout and entries in r.stdout, r
         r = run("ls", "--dir", str(d))

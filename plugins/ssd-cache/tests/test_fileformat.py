@@ -77,7 +77,7 @@ def test_quantized_bf16_arrays_and_cachelist_roundtrip(tmp_path):
     assert restored[0].keys.shape[2] == 70  # sliced from a 256-token buffer
     assert mx.array_equal(restored[0].keys, kv.keys[..., :70, :]).item()
     assert restored[1].offset == 70 and restored[1].bits == 4
-    for a, b in zip(restored[1].keys, q.keys):
+    for a, b in zip(restored[1].keys, q.keys, strict=False):
         assert mx.array_equal(a, b[..., :70, :]).item()
     assert restored[2][1] is None and restored[2][0].tolist() == [[0, 1, 2, 3, 4, 5]]
     assert isinstance(restored[3], CacheList)

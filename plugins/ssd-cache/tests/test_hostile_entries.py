@@ -10,7 +10,6 @@ import json
 import os
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,16 +35,28 @@ def stored(tiny, tmp_path):
     c.close(30)
     (entry,) = root.glob("*/*/*.safetensors")
     header = fileformat.read_header(entry)
-    return dict(model=model, key=str(path), root=root, space=entry.parent, good=good,
-                fp=header.meta["fingerprint"], ns=header.meta["namespace"])
+    return dict(
+        model=model,
+        key=str(path),
+        root=root,
+        space=entry.parent,
+        good=good,
+        fp=header.meta["fingerprint"],
+        ns=header.meta["namespace"],
+    )
 
 
 def plant(s, tokens, caches, **meta):
     """Write ``caches`` as an entry for ``tokens`` with a valid header hash."""
     snap = fileformat.snapshot(caches)
     name = disk.entry_name(s["ns"], tokens)
-    fields = {"tokens": fileformat.tokens_json(tokens), "fingerprint": s["fp"],
-              "namespace": s["ns"], "model": "crafted", **meta}
+    fields = {
+        "tokens": fileformat.tokens_json(tokens),
+        "fingerprint": s["fp"],
+        "namespace": s["ns"],
+        "model": "crafted",
+        **meta,
+    }
     fileformat.write(s["space"] / name, snap, fields)
     return s["space"] / name
 
@@ -80,9 +91,19 @@ def kv_like(cache, fn):
     return out
 
 
-@pytest.mark.parametrize("lie", [
-    "kv heads", "head dim", "dtype", "offset", "tokens", "class", "layers", "rank",
-])
+@pytest.mark.parametrize(
+    "lie",
+    [
+        "kv heads",
+        "head dim",
+        "dtype",
+        "offset",
+        "tokens",
+        "class",
+        "layers",
+        "rank",
+    ],
+)
 def test_a_lying_entry_is_a_miss_and_set_aside(stored, lie):
     s = stored
     toks = list(range(100, 140))
@@ -125,18 +146,21 @@ def test_a_sparse_file_that_claims_more_than_it_has_is_refused(stored):
     assert_rejected(s, path, toks + [9])
 
 
-@pytest.mark.parametrize("field,value", [
-    ("tokens", "[1, 99999999999999999999]"),   # out of range
-    ("tokens", "[1, -3]"),
-    ("tokens", '{"a": 1}'),
-    ("spec", "not json"),
-    ("spec", '[{"class": "KVCache", "state": {"t": 10**6}}]'),
-    ("spec", '[{"class": "LRUPromptCache", "state": null}]'),
-    ("trimmable", "yes"),
-    ("tensor_crc32", "[]"),
-    ("n_tokens", "12"),
-    ("extras", '[{"class": "NGramCache", "state": {"t": 0}, "meta_state": [1]}]'),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("tokens", "[1, 99999999999999999999]"),  # out of range
+        ("tokens", "[1, -3]"),
+        ("tokens", '{"a": 1}'),
+        ("spec", "not json"),
+        ("spec", '[{"class": "KVCache", "state": {"t": 10**6}}]'),
+        ("spec", '[{"class": "LRUPromptCache", "state": null}]'),
+        ("trimmable", "yes"),
+        ("tensor_crc32", "[]"),
+        ("n_tokens", "12"),
+        ("extras", '[{"class": "NGramCache", "state": {"t": 0}, "meta_state": [1]}]'),
+    ],
+)
 def test_a_malformed_field_is_a_corrupt_file_not_a_disabled_tier(stored, field, value):
     s = stored
     toks = list(range(300, 330))
@@ -188,7 +212,9 @@ def test_reference_without_the_loaded_model_still_checks_shapes(stored):
     header = fileformat.read_header(next(s["root"].glob("*/*/*.safetensors")))
     layout.validate(header, ref)
     toks = list(range(100, 140))
-    bad = plant(s, toks, kv_like(prefill(s["model"], toks), lambda k, v: (k[..., :-2], v[..., :-2])))
+    bad = plant(
+        s, toks, kv_like(prefill(s["model"], toks), lambda k, v: (k[..., :-2], v[..., :-2]))
+    )
     with pytest.raises(fileformat.Corrupt, match="shape"):
         layout.validate(fileformat.read_header(bad), ref)
 
@@ -197,7 +223,9 @@ def test_reference_without_the_loaded_model_still_checks_shapes(stored):
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -228,8 +256,15 @@ def test_fuzzed_headers_are_entries_or_corrupt(stored, data):
         layer = data.draw(st.integers(0, len(spec) - 1))
         spec[layer]["state"] = {"tuple": [{"t": 0}, {"t": 1}, value]}
         meta["spec"] = json.dumps(spec)
-    rewrite(path, lambda m, t: (m.clear(), m.update(meta), t.clear(),
-                                t.update({k: v for k, v in header.items() if k != "__metadata__"})))
+    rewrite(
+        path,
+        lambda m, t: (
+            m.clear(),
+            m.update(meta),
+            t.clear(),
+            t.update({k: v for k, v in header.items() if k != "__metadata__"}),
+        ),
+    )
     ref = layout.reference([s["model"]])
     try:
         h = fileformat.read_header(path)

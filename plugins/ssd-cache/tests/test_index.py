@@ -30,7 +30,9 @@ def random_entries(rng, n, base):
         tokens = np.concatenate([base[:keep], tail]).astype(np.int64)
         if len(tokens) == 0:
             continue
-        entries.append(Entry(f"e{i}", tokens, bool(rng.integers(0, 2)), int(rng.integers(1, 100)), 0.0))
+        entries.append(
+            Entry(f"e{i}", tokens, bool(rng.integers(0, 2)), int(rng.integers(1, 100)), 0.0)
+        )
     return entries
 
 

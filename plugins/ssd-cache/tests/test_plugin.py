@@ -1,7 +1,6 @@
 """The plugin's hooks, flags and operator commands."""
 
 import argparse
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +26,18 @@ def parsed(*argv, command="server"):
     return parser.parse_args(list(argv))
 
 
-@pytest.mark.parametrize("text,value", [
-    ("123", 123), ("10K", 10 << 10), ("500M", 500 << 20), ("1.5G", 3 << 29),
-    ("2GiB", 2 << 30), ("1t", 1 << 40), ("64MB", 64 << 20),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("123", 123),
+        ("10K", 10 << 10),
+        ("500M", 500 << 20),
+        ("1.5G", 3 << 29),
+        ("2GiB", 2 << 30),
+        ("1t", 1 << 40),
+        ("64MB", 64 << 20),
+    ],
+)
 def test_sizes(text, value):
     assert plugin.parse_bytes(text) == value
 
@@ -76,8 +83,17 @@ def test_report_line_of_the_disk_tier(tmp_path):
 
 def test_make_prompt_cache_uses_flags(tmp_path, tiny_model):
     path = tiny_model("llama")
-    args = parsed("--model", str(path), "--ssd-cache-dir", str(tmp_path),
-                  "--ssd-cache-bytes", "1G", "--ssd-cache-verify", "--kv-bits", "8")
+    args = parsed(
+        "--model",
+        str(path),
+        "--ssd-cache-dir",
+        str(tmp_path),
+        "--ssd-cache-bytes",
+        "1G",
+        "--ssd-cache-verify",
+        "--kv-bits",
+        "8",
+    )
     opts = plugin.activate("server", args)
     try:
         cache = plugin.make_prompt_cache(args, opts, 7, 1 << 63)
@@ -100,8 +116,12 @@ def test_server_exits_2_on_bad_flags(tmp_path):
         (["--ssd-cache-dir", ""], "empty path"),
         (["--ssd-cache-dir", str(tmp_path)], "not ssd-cache entries"),  # holds `file`
     ):
-        r = subprocess.run([str(BIN / "mlx_lm.server"), "--plugin", "ssd-cache", *flags],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [str(BIN / "mlx_lm.server"), "--plugin", "ssd-cache", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 2 and message in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1  # one line, no usage block
 
@@ -133,8 +153,12 @@ def test_operator_commands(tmp_path, tiny):
     junk.write_bytes(b"corrupt")
 
     def run(*argv):
-        r = subprocess.run([str(BIN / "mlx-lm-ext"), "ssd-cache", *argv, "--dir", str(d)],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [str(BIN / "mlx-lm-ext"), "ssd-cache", *argv, "--dir", str(d)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         return r.stdout
 
@@ -173,19 +197,32 @@ print(server.LRUPromptCache is Stock)
 
 @pytest.mark.parametrize("when", ["early", "late"])
 def test_python_api_keeps_the_prompt_cache_class_contract(tmp_path, when):
-    r = subprocess.run([sys.executable, "-c", DROP_IN, str(tmp_path / "c"), when],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", DROP_IN, str(tmp_path / "c"), when],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:4] == [
-        "SSDPromptCache 10 True", "3 1000 True True", "Mine 4 True", "True"]
+        "SSDPromptCache 10 True",
+        "3 1000 True True",
+        "Mine 4 True",
+        "True",
+    ]
 
 
 def test_the_disable_variable_wins_over_enable(tmp_path):
     import os
 
     env = dict(os.environ, MLX_LM_EXT_DISABLE="1")
-    r = subprocess.run([sys.executable, "-c", DROP_IN, str(tmp_path / "c"), "late"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", DROP_IN, str(tmp_path / "c"), "late"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[0] == "LRUPromptCache 10 True"  # mlx-lm's own
     assert "MLX_LM_EXT_DISABLE is set" in r.stderr

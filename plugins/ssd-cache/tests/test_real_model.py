@@ -21,8 +21,10 @@ def chat(tok, question, chars=2000):
     with open(LICENSE) as f:
         doc = f.read()[:chars]
     return tok.apply_chat_template(
-        [{"role": "system", "content": "Answer from this document:\n" + doc},
-         {"role": "user", "content": question}],
+        [
+            {"role": "system", "content": "Answer from this document:\n" + doc},
+            {"role": "user", "content": question},
+        ],
         add_generation_prompt=True,
     )
 

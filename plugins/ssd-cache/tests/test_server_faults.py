@@ -20,8 +20,7 @@ import pytest
 from mlx_lm_ssd_cache import fileformat
 
 PROMPTS = [
-    f"Request {i}. " + f"The quick brown fox {i} jumps over the lazy dog. " * 6
-    for i in range(6)
+    f"Request {i}. " + f"The quick brown fox {i} jumps over the lazy dog. " * 6 for i in range(6)
 ]
 
 
@@ -99,8 +98,9 @@ def tmpfs(tmp_path):
     def make(size):
         mnt = tmp_path / f"tmpfs{len(mounted)}"
         mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                           capture_output=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
+        )
         if r.returncode:
             pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
         mounted.append(mnt)
@@ -113,8 +113,9 @@ def tmpfs(tmp_path):
 
 def test_kill_9_during_a_write_loses_only_that_entry(servers, model, tmp_path):
     d, hang = tmp_path / "cache", tmp_path / "hang"
-    s = servers(model, d, tmp_path / "1.log", faults=True,
-                env={"SSD_TEST_HANG_IF": str(hang)}).wait_ready()
+    s = servers(
+        model, d, tmp_path / "1.log", faults=True, env={"SSD_TEST_HANG_IF": str(hang)}
+    ).wait_ready()
     s.chat(PROMPTS[0]), s.chat(PROMPTS[1])
     warm = [text(s.chat(p)) for p in PROMPTS[:2]]
     wait_stored(d, 2)
@@ -145,8 +146,9 @@ def test_kill_9_during_a_write_loses_only_that_entry(servers, model, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_sigint_flush_pending_writes(servers, model, tmp_path, sig):
     d = tmp_path / "cache"
-    s = servers(model, d, tmp_path / "1.log", faults=True,
-                env={"SSD_TEST_WRITE_DELAY": "1.5"}).wait_ready()
+    s = servers(
+        model, d, tmp_path / "1.log", faults=True, env={"SSD_TEST_WRITE_DELAY": "1.5"}
+    ).wait_ready()
     s.chat(PROMPTS[0])
     warm = text(s.chat(PROMPTS[0]))
     assert not entries(d)  # still being written behind
@@ -210,9 +212,9 @@ def test_disk_full_degrades_to_not_stored(servers, model, tmpfs, tmp_path):
 
     s2 = servers(model, d, tmp_path / "2.log").wait_ready()
     again = [answer(s2.chat(p)) for p in PROMPTS]
-    full = [a == w for a, w in zip(again, warm)]  # restored whole, same text
+    full = [a == w for a, w in zip(again, warm, strict=False)]  # restored whole, same text
     assert 1 <= sum(full) < len(PROMPTS)
-    for (n, t), (wn, wt) in zip(again, warm):
+    for (n, t), (wn, wt) in zip(again, warm, strict=False):
         if n == wn:
             assert t == wt
 
@@ -250,8 +252,10 @@ def test_two_servers_share_one_directory(servers, model, tokenizer, tmp_path):
 
     # Both store the same new entry at once: one valid file results.
     out = {}
-    threads = [threading.Thread(target=lambda k=k, srv=srv: out.update({k: srv.chat(PROMPTS[2])}))
-               for k, srv in (("a", a), ("b", b))]
+    threads = [
+        threading.Thread(target=lambda k=k, srv=srv: out.update({k: srv.chat(PROMPTS[2])}))
+        for k, srv in (("a", a), ("b", b))
+    ]
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert text(out["a"]) == text(out["b"])
@@ -278,7 +282,9 @@ def test_changed_model_never_restores_old_entries(servers, model, smollm2_tokeni
     s.stop()
     (old,) = entries(d)
     old_bytes = old.read_bytes()
-    build_tiny_model(model, "llama", seed=1, tokenizer_dir=smollm2_tokenizer_dir)  # same path, other weights
+    build_tiny_model(
+        model, "llama", seed=1, tokenizer_dir=smollm2_tokenizer_dir
+    )  # same path, other weights
     s2 = servers(model, d, tmp_path / "2.log").wait_ready()
     r = s2.chat(PROMPTS[0])
     assert cached(r) == 0
@@ -290,14 +296,17 @@ def test_changed_model_never_restores_old_entries(servers, model, smollm2_tokeni
 # ---------------------------------------------- other cache paths, restarted
 
 
-@pytest.mark.parametrize("arch,flags", [
-    # --kv-bits: served one by one (_serve_single), QuantizedKVCache entries
-    ("llama", ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]),
-    # sliding-window layers: stored entries past the window cannot be
-    # trimmed, so only those that are a prefix of the prompt restore (the
-    # server's prompt-segment entries)
-    ("gemma3_text", []),
-])
+@pytest.mark.parametrize(
+    "arch,flags",
+    [
+        # --kv-bits: served one by one (_serve_single), QuantizedKVCache entries
+        ("llama", ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]),
+        # sliding-window layers: stored entries past the window cannot be
+        # trimmed, so only those that are a prefix of the prompt restore (the
+        # server's prompt-segment entries)
+        ("gemma3_text", []),
+    ],
+)
 def test_restart_restores(servers, tiny_model, tmp_path, arch, flags):
     model = tiny_model(arch, head_dim=32)  # KV quantization groups of 32
     d = tmp_path / "cache"

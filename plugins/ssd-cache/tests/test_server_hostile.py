@@ -18,8 +18,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_lm_ssd_cache import disk, fileformat
 
-PROMPTS = [f"Question {i}: " + f"why is the sky blue over the hill number {i}? " * 5
-           for i in range(4)]
+PROMPTS = [
+    f"Question {i}: " + f"why is the sky blue over the hill number {i}? " * 5 for i in range(4)
+]
 
 
 def text(r):
@@ -68,8 +69,9 @@ def prompt_tokens(model_dir, content):
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    return tok.apply_chat_template([{"role": "user", "content": content}],
-                                   add_generation_prompt=True)
+    return tok.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )
 
 
 def craft(model_dir, like, tokens, change):
@@ -83,9 +85,16 @@ def craft(model_dir, like, tokens, change):
     h = fileformat.read_header(like)
     ns = h.meta["namespace"]
     path = like.parent / disk.entry_name(ns, tokens)
-    fileformat.write(path, fileformat.snapshot(cache), {
-        "tokens": fileformat.tokens_json(tokens), "fingerprint": h.meta["fingerprint"],
-        "namespace": ns, "model": "crafted"})
+    fileformat.write(
+        path,
+        fileformat.snapshot(cache),
+        {
+            "tokens": fileformat.tokens_json(tokens),
+            "fingerprint": h.meta["fingerprint"],
+            "namespace": ns,
+            "model": "crafted",
+        },
+    )
     return path
 
 
