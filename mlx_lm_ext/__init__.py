@@ -14,7 +14,7 @@ class PluginError(ValueError):
     """Bad user input for a plugin: reported as a clear message, exit status 2."""
 
 
-def enable(name, **options):
+def enable(name: str, **options: object) -> object:
     """Turn plugin ``name`` on for mlx-lm calls made from this process.
 
     ``options`` are the plugin's command-line flags as keywords
@@ -31,14 +31,14 @@ def enable(name, **options):
     return integration.enable(name, **options)
 
 
-def disable(name):
+def disable(name: str) -> None:
     """Turn plugin ``name`` off again and undo its patches."""
     from . import integration
 
     integration.disable(name)
 
 
-def enabled():
+def enabled() -> list[str]:
     """Names of the plugins active in this process."""
     from . import plugins
 

@@ -7,8 +7,17 @@ pip and every other interpreter of the environment pay for this module.
 Set ``MLX_LM_EXT_DISABLE=1`` to leave mlx-lm untouched.
 """
 
+from __future__ import annotations
+
 import os
 import sys
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from importlib.abc import Loader
+    from importlib.machinery import ModuleSpec
+    from types import CodeType, ModuleType
 
 TARGETS = ("mlx_lm.generate", "mlx_lm.server", "mlx_lm.lora")
 
@@ -35,28 +44,33 @@ def _patch(module):
 class _Loader:
     """Wraps the real loader: run the module, then patch it."""
 
-    def __init__(self, inner, name):
+    def __init__(self, inner: Loader, name: str) -> None:
         self._inner = inner
         self._name = name
 
     def __getattr__(self, attr):
         return getattr(self._inner, attr)
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._inner.create_module(spec)
 
-    def exec_module(self, module):
+    def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
         _patch(module)
 
-    def get_code(self, fullname):
+    def get_code(self, fullname: str) -> CodeType:
         short = fullname.rsplit(".", 1)[-1]
         src = _SHIM.format(name=fullname, short=short)
         return compile(src, f"<mlx_lm_ext shim for {fullname}>", "exec")
 
 
 class _Finder:
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: ModuleType | None = None,
+    ) -> ModuleSpec | None:
         if fullname not in TARGETS:
             return None
         for finder in sys.meta_path:
@@ -70,7 +84,7 @@ class _Finder:
         return None
 
 
-def install():
+def install() -> None:
     """Install the finder once, and patch targets that were imported already."""
     if any(isinstance(f, _Finder) for f in sys.meta_path):
         return
@@ -80,7 +94,7 @@ def install():
             _patch(sys.modules[name])
 
 
-def active():
+def active() -> bool:
     return any(isinstance(f, _Finder) for f in sys.meta_path)
 
 

@@ -12,6 +12,7 @@ import os
 import platform
 import sys
 import time
+from typing import List, Optional, Sequence
 
 from . import __version__, compat, plugins
 
@@ -38,7 +39,7 @@ MLX_LM_COMMANDS = (
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
 
-def run_mlx_lm(command, argv):
+def run_mlx_lm(command: str, argv: List[str]) -> Optional[int]:
     """Run ``mlx_lm <command>`` with the start-up hook installed first."""
     from . import _boot
 
@@ -52,7 +53,7 @@ def run_mlx_lm(command, argv):
 # ---------------------------------------------------------------- plugins
 
 
-def cmd_plugins(args):
+def cmd_plugins(args: argparse.Namespace) -> int:
     found = plugins.installed()
     if not found:
         print("No plugins installed. Install one, e.g. pip install -e plugins/spec-decode")
@@ -117,7 +118,7 @@ def _blas_report(mx):
     return f"bundled reference BLAS ({gflops:.1f} GFLOP/s float32 matmul): slow; {hint}"
 
 
-def cmd_doctor(args):
+def cmd_doctor(args: argparse.Namespace) -> int:
     from . import _boot
 
     lines = [("mlx-lm-ext", __version__)]
@@ -159,7 +160,7 @@ def cmd_doctor(args):
 # ------------------------------------------------------------------ model
 
 
-def cmd_model(args):
+def cmd_model(args: argparse.Namespace) -> int:
     from . import models
 
     if args.list or not args.name:
@@ -179,7 +180,7 @@ def cmd_model(args):
 # ------------------------------------------------------------------- main
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-lm-ext",
         description="Plugins for mlx-lm. Also runs mlx-lm's commands with plugins "
@@ -204,7 +205,7 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> Optional[int]:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in MLX_LM_COMMANDS:
         return run_mlx_lm(argv[0], argv[1:])

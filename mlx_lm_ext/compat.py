@@ -1,20 +1,21 @@
 """Which mlx-lm this host is built against (it patches mlx-lm's internals)."""
 
 import importlib.metadata
+from typing import Optional
 
 from . import PluginError
 
 SUPPORTED = "0.32."
 
 
-def mlx_lm_version():
+def mlx_lm_version() -> str:
     try:
         return importlib.metadata.version("mlx-lm")
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
 
 
-def problem():
+def problem() -> Optional[str]:
     """A message if the installed mlx-lm is not one this host supports."""
     version = mlx_lm_version()
     if version.startswith(SUPPORTED):
@@ -25,7 +26,7 @@ def problem():
     )
 
 
-def check():
+def check() -> None:
     message = problem()
     if message:
         raise PluginError(message)

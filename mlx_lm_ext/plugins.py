@@ -10,7 +10,7 @@ import importlib.metadata
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, NoReturn, Optional, Tuple, Union
 
 import pluggy
 
@@ -57,16 +57,16 @@ def manager() -> pluggy.PluginManager:
     return STATE.manager
 
 
-def hook():
+def hook() -> pluggy.HookRelay:
     return manager().hook
 
 
-def installed():
+def installed() -> Dict[str, importlib.metadata.EntryPoint]:
     """``{name: EntryPoint}`` of every installed plugin."""
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=GROUP)}
 
 
-def distribution(name):
+def distribution(name: str) -> Tuple[str, str]:
     """``(distribution name, version)`` that provides plugin ``name``."""
     ep = installed().get(name)
     dist = getattr(ep, "dist", None)
@@ -75,7 +75,7 @@ def distribution(name):
     return (dist.metadata["Name"], dist.version)
 
 
-def split_names(values):
+def split_names(values: Union[None, str, Iterable[Any]]) -> List[str]:
     """``["a,b", "c"]`` -> ``["a", "b", "c"]``: --plugin repeats and takes commas."""
     if values is None:
         return []
@@ -90,13 +90,13 @@ def split_names(values):
     return names
 
 
-def unknown_message(name):
+def unknown_message(name: str) -> str:
     names = sorted(installed())
     have = ", ".join(names) if names else "none"
     return f"unknown plugin '{name}' (installed plugins: {have})"
 
 
-def load(name):
+def load(name: str) -> Any:
     """Import plugin ``name`` and register it; returns the plugin object."""
     pm = manager()
     plugin = pm.get_plugin(name)
@@ -113,7 +113,7 @@ def load(name):
     return plugin
 
 
-def call(plugin, hookname, **kwargs):
+def call(plugin: Any, hookname: str, **kwargs: Any) -> Any:
     """Call one plugin's implementation of ``hookname`` (None if it has none)."""
     caller = getattr(manager().hook, hookname)
     for impl in caller.get_hookimpls():
@@ -122,7 +122,7 @@ def call(plugin, hookname, **kwargs):
     return None
 
 
-def implements(hookname, names=None):
+def implements(hookname: str, names: Optional[Iterable[str]] = None) -> bool:
     """Whether any (or any of ``names``) registered plugin implements a hook."""
     pm = manager()
     caller = getattr(pm.hook, hookname)
@@ -130,11 +130,11 @@ def implements(hookname, names=None):
     return any(plugins is None or impl.plugin in plugins for impl in caller.get_hookimpls())
 
 
-def commands_of(name):
+def commands_of(name: str) -> List[str]:
     return list(call(load(name), "commands") or [])
 
 
-def extends(name):
+def extends(name: str) -> List[str]:
     """The commands an installed plugin extends, without registering it."""
     ep = installed().get(name)
     if ep is None:
@@ -146,7 +146,7 @@ def extends(name):
         return []
 
 
-def check_command(name, command):
+def check_command(name: str, command: str) -> None:
     """Refuse a plugin named on a command it does not extend."""
     cmds = commands_of(name)
     if command in COMMANDS and command not in cmds:
@@ -156,21 +156,23 @@ def check_command(name, command):
         )
 
 
-def add_arguments(name, command, parser):
+def add_arguments(
+    name: str, command: str, parser: argparse.ArgumentParser
+) -> argparse._ArgumentGroup:
     """Add plugin ``name``'s flags to ``parser`` in a group of their own."""
     group = parser.add_argument_group(f"plugin {name}")
     call(load(name), "add_arguments", command=command, group=group)
     return group
 
 
-def defaults(name, command):
+def defaults(name: str, command: str) -> argparse.Namespace:
     """A Namespace of plugin ``name``'s flag defaults for ``command``."""
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(name, command, parser)
     return parser.parse_args([])
 
 
-def activate(name, command, args):
+def activate(name: str, command: str, args: argparse.Namespace) -> Any:
     """Activate plugin ``name``; errors become ``PluginError`` with a clear text.
 
     What the plugin's ``activate`` returns (its validated options) is kept
@@ -194,7 +196,7 @@ def activate(name, command, args):
     return plugin
 
 
-def first(hookname, **kwargs):
+def first(hookname: str, **kwargs: Any) -> Any:
     """The first non-None result of ``hookname`` among the active plugins.
 
     Each plugin gets its own validated options as ``options`` (if its
@@ -212,7 +214,7 @@ def first(hookname, **kwargs):
     return None
 
 
-def collect(hookname, **kwargs) -> List[Any]:
+def collect(hookname: str, **kwargs: Any) -> List[Any]:
     """Every active plugin's result of ``hookname`` (None results left out).
 
     A plugin that raises costs only its own result (logged), never the caller.
@@ -234,12 +236,12 @@ def collect(hookname, **kwargs) -> List[Any]:
     return out
 
 
-def active():
+def active() -> Dict[str, argparse.Namespace]:
     """``{name: args}`` of active plugins."""
     return {name: entry.args for name, entry in STATE.active.items()}
 
 
-def deactivate(name):
+def deactivate(name: str) -> None:
     entry = STATE.active.pop(name, None)
     if entry is None:
         return
@@ -249,7 +251,7 @@ def deactivate(name):
         manager().unregister(entry.plugin)
 
 
-def python_args(name, options):
+def python_args(name: str, options: Dict[str, Any]) -> argparse.Namespace:
     """Plugin ``name``'s defaults with ``options`` (keywords) applied, checked."""
     args = defaults(name, "python")
     for key, value in options.items():
@@ -260,7 +262,7 @@ def python_args(name, options):
     return args
 
 
-def fail(message, status=2):
+def fail(message: str, status: int = 2) -> NoReturn:
     """Exit as argparse does for bad input, without a traceback."""
     print(f"mlx-lm-ext: error: {message}", file=sys.stderr)
     raise SystemExit(status)

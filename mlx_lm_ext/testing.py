@@ -38,8 +38,10 @@ import contextlib
 import copy
 import io
 import json
+import os
 import shutil
 from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Union
 
 try:
     import pytest
@@ -99,7 +101,7 @@ TINY_VARIANTS = [
 ]
 
 
-def tiny_config(arch, *, tied=True, **overrides):
+def tiny_config(arch: str, *, tied: bool = True, **overrides: Any) -> Dict[str, Any]:
     """The mlx-lm ``config.json`` dict of a tiny ``arch`` model."""
     if arch not in _CONFIGS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {', '.join(TINY_ARCHS)}")
@@ -115,17 +117,17 @@ def tiny_config(arch, *, tied=True, **overrides):
 
 
 def build_tiny_model(
-    path,
-    arch,
+    path: Union[str, os.PathLike],
+    arch: str,
     *,
-    quantized=False,
-    tied=True,
-    seed=0,
-    group_size=32,
-    bits=4,
-    tokenizer_dir=None,
-    **overrides,
-):
+    quantized: bool = False,
+    tied: bool = True,
+    seed: int = 0,
+    group_size: int = 32,
+    bits: int = 4,
+    tokenizer_dir: Optional[Union[str, os.PathLike]] = None,
+    **overrides: Any,
+) -> Path:
     """Write a tiny random-weight mlx-lm model folder at ``path`` and return it.
 
     Weights are drawn from MLX's default initializers after
@@ -165,25 +167,27 @@ def build_tiny_model(
 if pytest is not None:
 
     @pytest.fixture(scope="session")
-    def smollm2_path():
+    def smollm2_path() -> Path:
         from . import models
 
         return models.build("smollm2-135m", progress=False)
 
     @pytest.fixture(scope="session")
-    def smollm2_f32_path():
+    def smollm2_f32_path() -> Path:
         from . import models
 
         return models.build("smollm2-135m-f32", progress=False)
 
     @pytest.fixture(scope="session")
-    def smollm2_tokenizer_dir(tmp_path_factory):
+    def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         from . import models
 
         return models.save_tokenizer(tmp_path_factory.mktemp("smollm2-tokenizer"))
 
     @pytest.fixture(scope="session")
-    def tiny_model(tmp_path_factory, smollm2_tokenizer_dir):
+    def tiny_model(
+        tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path
+    ) -> Callable[..., Path]:
         built = {}
 
         def make(arch, *, quantized=False, tied=True, **overrides):

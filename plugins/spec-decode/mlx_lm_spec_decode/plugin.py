@@ -15,8 +15,10 @@ output of ``mlx_lm.generate``) and ``usage_fields`` (the server's
 ``mlx_lm_spec_decode``, INFO).
 """
 
+import argparse
 import logging
 from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from mlx_lm_ext import PluginError, hookimpl
 
@@ -30,12 +32,12 @@ DRAFTERS = ("ngram", "draft-model", "assistant")
 
 
 @hookimpl
-def commands():
+def commands() -> List[str]:
     return ["generate", "server"]
 
 
 @hookimpl
-def add_arguments(command, group):
+def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--drafter",
         choices=DRAFTERS,
@@ -114,13 +116,13 @@ def _check(args):
 
 
 @hookimpl
-def activate(command, args):
+def activate(command: str, args: argparse.Namespace) -> argparse.Namespace:
     _check(args)
     return args  # the validated flags: handed back as ``options``
 
 
 @hookimpl
-def usage_fields(info):
+def usage_fields(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     s = info.get("spec-decode")
     if s is None:
         return None
@@ -134,7 +136,7 @@ def usage_fields(info):
 
 
 @hookimpl
-def report_lines(command, source):
+def report_lines(command: str, source: Any) -> Optional[List[str]]:
     if command != "generate" or source.get("spec-decode") is None:
         return None
     return [source["spec-decode"].line()]
@@ -149,7 +151,14 @@ def _options(args, which):
 
 
 @hookimpl
-def make_drafter(command, model, tokenizer, draft_model, args, options):
+def make_drafter(
+    command: str,
+    model: Any,
+    tokenizer: Any,
+    draft_model: Any,
+    args: Optional[argparse.Namespace],
+    options: argparse.Namespace,
+) -> Drafter:
     args = args if args is not None else options
     which = getattr(args, "drafter", None) or (
         "draft-model" if draft_model is not None else "ngram"
@@ -188,7 +197,7 @@ def _assistant(model, args, opts):
 
 
 @hookimpl
-def prompt_cache_classes():
+def prompt_cache_classes() -> List[type]:
     # The n-gram index rides after the target's caches; a prompt-cache store
     # (ssd-cache) may keep it, so a restored prompt drafts from its own text.
     from .ngram import NGramCache
@@ -197,7 +206,7 @@ def prompt_cache_classes():
 
 
 @hookimpl
-def add_subcommands(subparsers):
+def add_subcommands(subparsers: Any) -> None:
     from .training.cli import add_subcommand
 
     add_subcommand(subparsers)
@@ -218,7 +227,9 @@ def _load_tokenizer(path):
 
 
 @hookimpl
-def speculative_generate_step(prompt, model, drafter, kwargs):
+def speculative_generate_step(
+    prompt: Any, model: Any, drafter: Any, kwargs: Dict[str, Any]
+) -> Optional[Iterator[Tuple[int, Any, bool]]]:
     if not isinstance(drafter, Drafter):
         return None  # mlx-lm's own draft model: mlx-lm's own loop
     from .loop import speculative_generate_step as loop

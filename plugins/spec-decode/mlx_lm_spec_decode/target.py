@@ -3,6 +3,7 @@ its last hidden state (``Drafter.needs_hidden``)."""
 
 import contextlib
 import os
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -10,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm_ext import backbone, host
 
 
-def split(model):
+def split(model: Any) -> Optional[Tuple[Callable, Callable]]:
     """``(backbone, head)`` with ``head(backbone(x, cache)) == model(x, cache)``,
     or ``None`` when the model does not decompose so (the host's check)."""
     return backbone.split(model)
@@ -33,7 +34,7 @@ POLICIES = ("auto", "fused", "explicit", "padded")
 AUTO_CUDA = "padded"
 
 
-def attention_policy():
+def attention_policy() -> str:
     how = os.environ.get("MLX_LM_SPEC_ATTENTION", "auto").strip().lower() or "auto"
     if how not in POLICIES:
         raise ValueError(f"MLX_LM_SPEC_ATTENTION must be one of {', '.join(POLICIES)}, got {how!r}")
@@ -44,7 +45,13 @@ def attention_policy():
     return how
 
 
-def explicit_attention(queries, keys, values, scale, mask):
+def explicit_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: Union[None, str, mx.array],
+) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` as matmuls (few queries):
     ``[B, Hq, L, D]`` queries over ``[B, Hkv, S, D]`` keys/values, grouped
     heads without copies, softmax in float32, masks as the fused op takes
@@ -73,7 +80,9 @@ def explicit_attention(queries, keys, values, scale, mask):
     return (w @ mx.expand_dims(values, 2)).reshape(b, hq, n, d)
 
 
-def padded_attention(queries, cache, scale, masks):
+def padded_attention(
+    queries: mx.array, cache: Any, scale: float, masks: Dict[tuple, mx.array]
+) -> Optional[mx.array]:
     """The fused op over ``cache``'s whole buffer (``KVCache`` only), rows
     past the window's causal limit masked; ``None`` where it does not apply."""
     full_k, full_v = getattr(cache, "keys", None), getattr(cache, "values", None)
@@ -101,7 +110,7 @@ def padded_attention(queries, cache, scale, masks):
 
 
 @contextlib.contextmanager
-def verify_attention(model, width, policy=None):
+def verify_attention(model: Any, width: int, policy: Optional[str] = None) -> Iterator[None]:
     """Within the block, the model's attention over ``width`` queries (2..16)
     runs as ``padded_attention`` or ``explicit_attention``, as ``policy``
     (default: ``attention_policy()``) says; quantized caches, attention

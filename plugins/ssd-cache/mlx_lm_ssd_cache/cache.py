@@ -17,8 +17,9 @@ used), as the issue asks: at least one token is always left.
 """
 
 import copy
+import os
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from mlx_lm.models.cache import (
     LRUPromptCache,
@@ -33,11 +34,11 @@ from .disk import DiskTier
 class _SpillingTrie(PromptTrie):
     """mlx-lm's trie; evictions (``pop``) are reported to the disk tier."""
 
-    def __init__(self, on_pop):
+    def __init__(self, on_pop: Callable[[Any, List[int], Any], None]) -> None:
         super().__init__()
         self._on_pop = on_pop
 
-    def pop(self, model, tokens):
+    def pop(self, model: Any, tokens: List[int]) -> Any:
         value = super().pop(model, tokens)
         self._on_pop(model, tokens, value)
         return value
@@ -56,14 +57,14 @@ class SSDPromptCache(LRUPromptCache):
         max_size: int = 10,
         max_bytes: int = 1 << 63,
         *,
-        directory,
+        directory: Union[str, os.PathLike],
         disk_bytes: int = 8 << 30,
         verify: bool = False,
         settings: Optional[dict] = None,
         tier: Optional[DiskTier] = None,
-        live_models=None,
-        extra_classes=None,
-    ):
+        live_models: Optional[Callable[[Any], Optional[List[Any]]]] = None,
+        extra_classes: Optional[Callable[[], Iterable[type]]] = None,
+    ) -> None:
         super().__init__(max_size, max_bytes)
         self._trie = _SpillingTrie(self._spill)
         self.disk = tier or DiskTier(
@@ -100,7 +101,9 @@ class SSDPromptCache(LRUPromptCache):
             return _Plan(result.shorter, short, 0)
         return miss
 
-    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+    def fetch_nearest_cache(
+        self, model: Any, tokens: List[int]
+    ) -> Tuple[Optional[List[Any]], List[int]]:
         plan = self._memory_plan(model, tokens)
         restored = self.disk.fetch(model, tokens, at_least=plan.length)
         if restored is not None:
@@ -122,7 +125,7 @@ class SSDPromptCache(LRUPromptCache):
         prompt_cache: List[Any],
         *,
         cache_type: str = "assistant",
-    ):
+    ) -> None:
         # Hand over first: the parent may evict this very entry at once.
         self.disk.put(model, tokens, prompt_cache, cache_type)
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
@@ -133,11 +136,11 @@ class SSDPromptCache(LRUPromptCache):
 
     # ---------------------------------------------------------------- admin
 
-    def disk_stats(self):
+    def disk_stats(self) -> Dict[str, Any]:
         return self.disk.stats()
 
-    def flush(self, timeout=None):
+    def flush(self, timeout: Optional[float] = None) -> bool:
         return self.disk.flush(timeout)
 
-    def close(self, timeout=None):
+    def close(self, timeout: Optional[float] = None) -> bool:
         return self.disk.close(timeout)

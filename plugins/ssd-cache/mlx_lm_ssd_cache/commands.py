@@ -15,14 +15,14 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 from . import safefs
 
 PROG = "mlx-lm-ext ssd-cache"
 
 
-def add_parser(subparsers, default_dir) -> None:
+def add_parser(subparsers: argparse._SubParsersAction, default_dir: str) -> None:
     p = subparsers.add_parser(
         "ssd-cache", help="inspect or clear the disk prompt-cache tier of the ssd-cache plugin"
     )
@@ -182,7 +182,7 @@ def _gb(nbytes: int) -> str:
 # ------------------------------------------------------------------- totals
 
 
-def totals(root) -> Tuple[int, int]:
+def totals(root: Union[str, os.PathLike]) -> Tuple[int, int]:
     """``(entries, bytes)`` of the tier's entries under ``root`` (links not followed)."""
     n = nbytes = 0
     for fp, ns in safefs.spaces(root):
@@ -195,7 +195,7 @@ def totals(root) -> Tuple[int, int]:
 # -------------------------------------------------------------------- stats
 
 
-def cmd_stats(args) -> int:
+def cmd_stats(args: argparse.Namespace) -> int:
     root = _root(args)
     kind = _kind(root)
     if kind == "notdir":
@@ -236,7 +236,7 @@ def _ls_row(fileformat, space_fd: int, name: str, st: os.stat_result):
         return st.st_mtime, "?", "?", st.st_size, f"corrupt: {_printable(e)}"
 
 
-def cmd_ls(args) -> int:
+def cmd_ls(args: argparse.Namespace) -> int:
     from . import fileformat  # imports mlx: only when listing
 
     root = _root(args)
@@ -353,7 +353,7 @@ def _delete(root: Path, plan) -> Tuple[int, int, int]:
     return n, nbytes, failed
 
 
-def cmd_clear(args) -> int:
+def cmd_clear(args: argparse.Namespace) -> int:
     root = _root(args)
     kind = _kind(root)
     if kind == "missing":

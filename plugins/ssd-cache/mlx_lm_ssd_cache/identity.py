@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import os
 from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 FORMAT_VERSION = "1"
 SAMPLES = 16  # sampled 64 KiB windows per weight file
@@ -38,7 +39,7 @@ class Unidentifiable(ValueError):
     """A model key whose files cannot be found locally: no disk tier for it."""
 
 
-def resolve(path_or_repo):
+def resolve(path_or_repo: Union[str, os.PathLike]) -> Path:
     """The local directory of a model path or a cached Hugging Face repo id."""
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
@@ -75,7 +76,7 @@ def _sample_file(h, path):
             h.update(f.read(WINDOW))
 
 
-def files_identity(path):
+def files_identity(path: Union[str, os.PathLike]) -> str:
     """A hash of a model or adapter directory's config, weights and tokenizer."""
     path = Path(path)
     h = hashlib.sha256()
@@ -92,7 +93,7 @@ def files_identity(path):
     return h.hexdigest()
 
 
-def describe_layout(caches):
+def describe_layout(caches: Iterable[Any]) -> str:
     """A short text of cache classes and their shape-defining settings."""
     parts = []
     for c in caches:
@@ -112,7 +113,7 @@ def describe_layout(caches):
     return ",".join(n if k == 1 else f"{n}*{k}" for n, k in parts)
 
 
-def lazy_model(path):
+def lazy_model(path: Union[str, os.PathLike]) -> Any:
     """The architecture in ``path`` built from its config with lazy random
     parameters that are never evaluated: it costs no memory. None for a model
     with its own code file."""
@@ -125,7 +126,7 @@ def lazy_model(path):
     return model_class(args_class.from_dict(config))
 
 
-def lazy_models(model_key):
+def lazy_models(model_key: Any) -> List[Any]:
     """Lazy copies of the key's target (and mlx-lm draft) model, for their cache layout."""
     model, _, draft = split_key(model_key)
     out = []
@@ -141,7 +142,7 @@ def lazy_models(model_key):
     return out
 
 
-def layout(path):
+def layout(path: Union[str, os.PathLike]) -> Tuple[str, Optional[int]]:
     """``(text, n)``: the cache layout of the architecture in ``path`` and its
     number of caches (None when unknown), without loading the weights."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -159,7 +160,7 @@ def layout(path):
         return f"unknown:{type(e).__name__}", None
 
 
-def versions():
+def versions() -> Dict[str, str]:
     return {
         "mlx": importlib.metadata.version("mlx"),
         "mlx-lm": importlib.metadata.version("mlx-lm"),
@@ -167,7 +168,7 @@ def versions():
     }
 
 
-def split_key(model_key):
+def split_key(model_key: Any) -> Tuple[str, Optional[str], Optional[str]]:
     """``(model, adapter, draft)`` from the server's key or a plain path."""
     if isinstance(model_key, (str, os.PathLike)):
         return str(model_key), None, None
@@ -181,7 +182,9 @@ def _hash(obj, n=16):
     return hashlib.sha256(blob.encode()).hexdigest()[:n]
 
 
-def identify(model_key, settings=None):
+def identify(
+    model_key: Any, settings: Optional[Dict[str, Any]] = None
+) -> Tuple[str, str, Dict[str, Any]]:
     """``(fingerprint, namespace, info)`` for a model key.
 
     ``settings`` are the server options that change cache contents

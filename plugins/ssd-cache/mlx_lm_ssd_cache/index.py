@@ -9,13 +9,14 @@ less than a token trie node per token.
 """
 
 from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
 _P = np.uint64(0x9E3779B97F4A7C15)  # odd multiplier (golden ratio)
 
 
-def prefix_hashes(tokens):
+def prefix_hashes(tokens: Union[Sequence[int], np.ndarray]) -> np.ndarray:
     """``h[i]`` = hash of ``tokens[:i]`` for i in 0..len (uint64, wrapping).
 
     A polynomial hash: ``sum(mix(t_j) * P**j)``. It is weak against crafted
@@ -33,7 +34,7 @@ def prefix_hashes(tokens):
     return h
 
 
-def common_length(a, b):
+def common_length(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the common prefix of two int arrays."""
     n = min(len(a), len(b))
     if n == 0:
@@ -61,7 +62,7 @@ class Match:
 
 
 class PrefixIndex:
-    def __init__(self, block=32):
+    def __init__(self, block: int = 32) -> None:
         self.block = block
         self._blocks = {}  # (i, h[i]) -> {Entry} for i = block, 2*block, ...
         self._ends = {}  # (len, h[len]) -> {Entry}
@@ -77,7 +78,7 @@ class PrefixIndex:
         blocks = [(i, int(h[i])) for i in range(self.block, n + 1, self.block)]
         return blocks, (n, int(h[n]))
 
-    def add(self, entry):
+    def add(self, entry: Entry) -> None:
         if entry.name in self.entries:
             self.remove(entry.name)
         self.entries[entry.name] = entry
@@ -87,7 +88,7 @@ class PrefixIndex:
         self._ends.setdefault(end, set()).add(entry)
         self._end_hashes[end[1]] = self._end_hashes.get(end[1], 0) + 1
 
-    def remove(self, name):
+    def remove(self, name: str) -> Optional[Entry]:
         entry = self.entries.pop(name, None)
         if entry is None:
             return None
@@ -106,7 +107,7 @@ class PrefixIndex:
             del self._end_hashes[end[1]]
         return entry
 
-    def prefixes_of(self, tokens):
+    def prefixes_of(self, tokens: Union[Sequence[int], np.ndarray]) -> List[Entry]:
         """Entries whose tokens are a proper prefix of ``tokens``."""
         tokens = np.asarray(tokens, dtype=np.int64)
         h = prefix_hashes(tokens)
@@ -118,7 +119,7 @@ class PrefixIndex:
                         found.append(e)
         return found
 
-    def best(self, tokens, at_least=0):
+    def best(self, tokens: Union[Sequence[int], np.ndarray], at_least: int = 0) -> Optional[Match]:
         """The entry that gives the most tokens of ``tokens``, leaving one.
 
         A trimmable entry gives its common prefix with the prompt; any entry

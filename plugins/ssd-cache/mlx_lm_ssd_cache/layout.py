@@ -12,12 +12,12 @@ token count. Only an entry that matches is loaded.
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .fileformat import DTYPES, Corrupt
+from .fileformat import DTYPES, Corrupt, Header
 
 log = logging.getLogger("mlx_lm_ssd_cache")
 
@@ -44,7 +44,9 @@ class Reference:
         return len(self.layers)
 
 
-def reference(models, settings=None, exact_dtype=True) -> Reference:
+def reference(
+    models: Iterable[Any], settings: Optional[dict] = None, exact_dtype: bool = True
+) -> Reference:
     """The reference of ``models`` (the target, then mlx-lm's draft model if any).
 
     ``settings`` are the server's ``kv_bits`` / ``kv_group_size``: with
@@ -87,7 +89,7 @@ def _tree(x):
 # -------------------------------------------------------------------- check
 
 
-def validate(header, ref: Reference) -> None:
+def validate(header: Header, ref: Reference) -> None:
     """Raise ``Corrupt`` unless ``header`` describes caches ``ref``'s model makes."""
     if len(header.spec) != len(ref.layers):
         raise Corrupt(f"{len(header.spec)} caches, the model makes {len(ref.layers)}")

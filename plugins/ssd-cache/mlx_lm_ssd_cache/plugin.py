@@ -1,11 +1,16 @@
 """The ssd-cache plugin's hooks (entry point ``ssd-cache``)."""
 
+import argparse
 import logging
 import re
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from mlx_lm_ext import PluginError, hookimpl
+
+if TYPE_CHECKING:
+    from .cache import SSDPromptCache
 
 DEFAULT_BYTES = "8G"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -15,13 +20,13 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _live = {}
 
 
-def default_dir():
+def default_dir() -> str:
     import platformdirs
 
     return str(Path(platformdirs.user_cache_dir("mlx-lm-ext")) / "ssd-cache")
 
 
-def parse_bytes(text):
+def parse_bytes(text: Union[str, int]) -> int:
     """``"512M"`` -> 536870912. K/M/G/T are powers of 1024; a B/iB tail is fine."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.I)
     if not m:
@@ -32,7 +37,7 @@ def parse_bytes(text):
     return value
 
 
-def check_dir(text):
+def check_dir(text: Union[str, Path]) -> Path:
     """The cache directory, refusing paths that can never be one."""
     if not text or not str(text).strip():
         raise PluginError("--ssd-cache-dir: empty path")
@@ -46,7 +51,7 @@ def check_dir(text):
     return path
 
 
-def options(args):
+def options(args: argparse.Namespace) -> Tuple[Path, int, bool]:
     """Validated ``(directory, byte cap, verify)`` from parsed arguments."""
     directory = getattr(args, "ssd_cache_dir", None)
     if directory is None:
@@ -67,12 +72,12 @@ def _world_size():
 
 
 @hookimpl
-def commands():
+def commands() -> List[str]:
     return ["server"]
 
 
 @hookimpl
-def add_arguments(command, group):
+def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
     if command not in ("server", "python"):
         return
     group.add_argument(
@@ -98,7 +103,7 @@ def add_arguments(command, group):
 
 
 @hookimpl
-def activate(command, args):
+def activate(command: str, args: argparse.Namespace) -> Dict[str, Any]:
     directory, cap, verify = options(args)
     size = _world_size()
     if size > 1:
@@ -125,7 +130,7 @@ def _claim(directory):
 
 
 @hookimpl
-def deactivate():
+def deactivate() -> None:
     from . import disk
 
     disk.flush_all(timeout=60)
@@ -133,7 +138,7 @@ def deactivate():
 
 
 @hookimpl
-def model_loaded(model_key, model, draft_model):
+def model_loaded(model_key: Any, model: Any, draft_model: Any) -> None:
     models = [m for m in (model, draft_model) if m is not None]
     try:
         _live[model_key] = [weakref.ref(m) for m in models]
@@ -141,7 +146,7 @@ def model_loaded(model_key, model, draft_model):
         pass
 
 
-def live_models(model_key):
+def live_models(model_key: Any) -> Optional[List[Any]]:
     """The loaded models of ``model_key``, or None when not (or no longer) loaded."""
     try:
         refs = _live.get(model_key)
@@ -158,7 +163,9 @@ def _extra_classes():
 
 
 @hookimpl
-def make_prompt_cache(args, options, max_size, max_bytes):
+def make_prompt_cache(
+    args: Optional[argparse.Namespace], options: Dict[str, Any], max_size: int, max_bytes: int
+) -> "SSDPromptCache":
     from .cache import SSDPromptCache
 
     directory, cap, verify = options["directory"], options["max_bytes"], options["verify"]
@@ -186,14 +193,14 @@ def make_prompt_cache(args, options, max_size, max_bytes):
 
 
 @hookimpl
-def add_subcommands(subparsers):
+def add_subcommands(subparsers: Any) -> None:
     from . import commands as ops
 
     ops.add_parser(subparsers, default_dir())
 
 
 @hookimpl
-def doctor():
+def doctor() -> List[Tuple[str, str]]:
     from . import commands as ops
 
     directory = default_dir()
@@ -202,7 +209,7 @@ def doctor():
 
 
 @hookimpl
-def report_lines(command, source):
+def report_lines(command: str, source: Any) -> Optional[List[str]]:
     """The disk tier's line under the server's "Prompt Cache: ..." log lines."""
     stats = getattr(source, "disk_stats", None)
     if command != "server" or not callable(stats):

@@ -17,7 +17,7 @@ import contextlib
 import os
 import re
 import stat
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple, Union
 
 TAG = "CACHEDIR.TAG"
 TAG_TEXT = (
@@ -54,7 +54,7 @@ def is_own_file(name: str) -> bool:
 # ------------------------------------------------------------------ roots
 
 
-def has_tag(root) -> bool:
+def has_tag(root: Union[str, os.PathLike]) -> bool:
     """Whether ``root`` is a real directory (not a link) with the tier's tag."""
     try:
         with open_dir(root) as fd:
@@ -76,7 +76,7 @@ def _read_tag(fd) -> bool:
         os.close(tfd)
 
 
-def looks_like_cache(root) -> bool:
+def looks_like_cache(root: Union[str, os.PathLike]) -> bool:
     """Whether every name in ``root`` is one the tier would put there.
 
     Used to adopt a directory written before the tag existed, and an empty
@@ -90,7 +90,7 @@ def looks_like_cache(root) -> bool:
     return all(FINGERPRINT.fullmatch(n) or n == TAG or n.startswith(f".{TAG}.") for n in names)
 
 
-def make_root(root) -> None:
+def make_root(root: Union[str, os.PathLike]) -> None:
     """Create ``root`` if needed and tag it; refuse a directory that is not ours.
 
     Raises ``NotACache`` for a link, a non-directory, or a directory with
@@ -126,7 +126,7 @@ def make_root(root) -> None:
 
 
 @contextlib.contextmanager
-def open_dir(path, dir_fd: Optional[int] = None) -> Iterator[int]:
+def open_dir(path: Union[str, os.PathLike], dir_fd: Optional[int] = None) -> Iterator[int]:
     """An fd of directory ``path`` (relative to ``dir_fd``), never through a link."""
     path = os.fspath(path)
     if len(path) > 1:  # "link/" would resolve the link despite O_NOFOLLOW
@@ -139,7 +139,7 @@ def open_dir(path, dir_fd: Optional[int] = None) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def open_space(root, fingerprint: str, namespace: str) -> Iterator[int]:
+def open_space(root: Union[str, os.PathLike], fingerprint: str, namespace: str) -> Iterator[int]:
     """The fd of ``root/fingerprint/namespace``, each level opened without links."""
     if not FINGERPRINT.fullmatch(fingerprint) or not NAMESPACE.fullmatch(namespace):
         raise NotACache(f"{fingerprint}/{namespace} is not a namespace of the tier")
@@ -147,7 +147,7 @@ def open_space(root, fingerprint: str, namespace: str) -> Iterator[int]:
         yield nfd
 
 
-def make_space(root, fingerprint: str, namespace: str) -> None:
+def make_space(root: Union[str, os.PathLike], fingerprint: str, namespace: str) -> None:
     """Create ``root/fingerprint/namespace`` below a tagged root, without links."""
     make_root(root)
     with open_dir(root) as rfd:
@@ -168,7 +168,7 @@ def _mkdir_at(name, fd):
             raise NotACache(f"{name} exists and is not a directory (a link?)") from None
 
 
-def spaces(root) -> List[Tuple[str, str]]:
+def spaces(root: Union[str, os.PathLike]) -> List[Tuple[str, str]]:
     """``(fingerprint, namespace)`` pairs under a root: real directories only."""
     out = []
     try:
@@ -239,7 +239,7 @@ def rename(space_fd: int, src: str, dst: str) -> None:
     os.replace(src, dst, src_dir_fd=space_fd, dst_dir_fd=space_fd)
 
 
-def remove_space_if_empty(root, fingerprint: str, namespace: str) -> None:
+def remove_space_if_empty(root: Union[str, os.PathLike], fingerprint: str, namespace: str) -> None:
     """rmdir an emptied namespace, then its fingerprint if only its note is left.
 
     The note and a leftover temp file of it (a writer killed between write
