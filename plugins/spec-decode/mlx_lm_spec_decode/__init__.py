@@ -20,6 +20,7 @@ from .loop import speculative_generate_step
 from .ngram import NGramCache, NGramDrafter
 from .stats import SpecStats
 from .stats import last as last_stats
+from .suffix import SuffixCache, SuffixCorpus, SuffixDrafter
 
 __all__ = [
     "Drafter",
@@ -27,6 +28,9 @@ __all__ = [
     "DraftContext",
     "NGramDrafter",
     "NGramCache",
+    "SuffixDrafter",
+    "SuffixCache",
+    "SuffixCorpus",
     "DraftModelDrafter",
     "VocabularyMismatch",
     "check_vocab",

@@ -25,10 +25,11 @@ from mlx_lm_ext import PluginError, hookimpl
 from .draft_model import DraftModelDrafter, VocabularyMismatch
 from .drafter import Drafter
 from .ngram import NGramDrafter
+from .suffix import DEFAULT_CORPUS_TOKENS, SuffixDrafter
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
-DRAFTERS = ("ngram", "draft-model", "assistant")
+DRAFTERS = ("ngram", "suffix", "draft-model", "assistant")
 
 
 @hookimpl
@@ -42,7 +43,8 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         "--drafter",
         choices=DRAFTERS,
         default=None,
-        help="Drafter for speculative decoding: prompt lookup ('ngram') or a smaller "
+        help="Drafter for speculative decoding: prompt lookup ('ngram'), a suffix index over "
+        "this request and this process's past requests ('suffix'), a smaller "
         "model ('draft-model', from --draft-model) or a trained assistant that reads the target's "
         "cache ('assistant', from --drafter-path). Default: draft-model when "
         "--draft-model is given, else ngram. --num-draft-tokens is the starting draft length.",
@@ -69,12 +71,19 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         "--draft-max",
         type=int,
         default=None,
-        help="Upper bound of the adaptive draft length. Default: 10 (ngram), 6 (draft-model).",
+        help="Upper bound of the adaptive draft length. "
+        "Default: 10 (ngram), 16 (suffix), 6 (draft-model).",
     )
     group.add_argument(
         "--fixed-draft",
         action="store_true",
         help="Keep the draft length at --num-draft-tokens (no adaptation).",
+    )
+    group.add_argument(
+        "--suffix-corpus-tokens",
+        default=str(DEFAULT_CORPUS_TOKENS),
+        help="Tokens of past prompts and outputs the suffix drafter keeps per model "
+        f"(oldest dropped first; about 20 bytes each). Default: {DEFAULT_CORPUS_TOKENS}.",
     )
     group.add_argument(
         "--no-auto-off",
@@ -83,7 +92,19 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
     )
 
 
+def _corpus_tokens(args):
+    v = getattr(args, "suffix_corpus_tokens", DEFAULT_CORPUS_TOKENS)
+    try:
+        n = int(v) if not isinstance(v, float) else None
+    except (TypeError, ValueError):
+        n = None
+    if n is None or n < 2:
+        raise PluginError(f"--suffix-corpus-tokens must be an integer >= 2, got {v!r}")
+    return n
+
+
 def _check(args):
+    _corpus_tokens(args)
     nmin, nmax = getattr(args, "ngram_min", 2), getattr(args, "ngram_max", 4)
     if not (isinstance(nmin, int) and isinstance(nmax, int) and 1 <= nmin <= nmax):
         raise PluginError(f"--ngram-min/--ngram-max: need 1 <= min <= max, got {nmin}, {nmax}")
@@ -144,7 +165,7 @@ def report_lines(command: str, source: Any) -> Optional[List[str]]:
 
 def _options(args, which):
     return dict(
-        max_draft=getattr(args, "draft_max", None) or (10 if which == "ngram" else 6),
+        max_draft=getattr(args, "draft_max", None) or {"ngram": 10, "suffix": 16}.get(which, 6),
         adaptive=not getattr(args, "fixed_draft", False),
         auto_off=not getattr(args, "no_auto_off", False),
     )
@@ -166,6 +187,8 @@ def make_drafter(
     opts = _options(args, which)
     if which == "assistant":
         return _assistant(model, args, opts)
+    if which == "suffix":
+        return SuffixDrafter(_corpus_tokens(args), tokenizer=tokenizer, **opts)
     if which == "ngram":
         if draft_model is not None:
             log.warning("spec-decode: --drafter ngram ignores the --draft-model")
@@ -201,8 +224,9 @@ def prompt_cache_classes() -> List[type]:
     # The n-gram index rides after the target's caches; a prompt-cache store
     # (ssd-cache) may keep it, so a restored prompt drafts from its own text.
     from .ngram import NGramCache
+    from .suffix import SuffixCache
 
-    return [NGramCache]
+    return [NGramCache, SuffixCache]
 
 
 @hookimpl

@@ -1,0 +1,450 @@
+"""Suffix drafting: propose what followed the current suffix in this request
+and in the past requests of this process for this model.
+
+Two sources, both searched the same way (hash chains, as zlib finds its
+matches): every position is indexed by the ``K`` tokens before it, and each
+entry points to the previous position with the same key, so a lookup walks
+the occurrences of the current ``K``-gram newest first, extends each match
+backwards token by token, and keeps the longest. The work per lookup is
+O(match length) per occurrence with at most ``CHAIN`` occurrences walked:
+independent of how much text is indexed. Plain dicts, lists and numpy
+arrays: in Python a hash lookup and a few list reads are the cheapest
+operations there are, where a suffix tree or automaton would cost a Python
+object per node (hundreds of bytes a token) and cannot forget old text.
+
+- The request (``SuffixCache``): the history of this prompt cache, exact
+  under ``trim`` (each key's previous head is on the chain). It rides in the
+  prompt cache list, as the n-gram drafter's ``NGramCache`` does.
+- The corpus (``SuffixCorpus``): past prompts and outputs in a ring of
+  ``cap`` tokens (numpy), a fixed bucket table and a chain array: about 20
+  bytes per token of capacity, allocated on first use. New text overwrites
+  the oldest, so the corpus never holds more than ``cap`` tokens. A request
+  goes in when it ends (the loop's ``flush``), never per token.
+
+Scoring: the occurrences that match longest continue the draft token by
+token; each step keeps the continuation most of them agree on, and its share
+multiplies into the draft's score. The draft stops when the score drops
+below ``MIN_SCORE``, or at ``ALPHA`` times the match length (a short match is
+a weak guess): long when the sources agree, nothing when they do not.
+"""
+
+import hashlib
+import logging
+import weakref
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import _BaseCache
+
+from .drafter import DraftContext, Drafter
+
+log = logging.getLogger("mlx_lm_spec_decode")
+
+SEP = -(1 << 31)  # between documents in the corpus: never a token id
+CHAIN = 32  # occurrences walked per lookup (the newest)
+MAX_MATCH = 64  # a match is extended backwards at most this far
+FULL_MATCH = 12  # occurrences matching this long all count as evidence
+DEFAULT_CORPUS_TOKENS = 1_000_000
+
+_M64 = (1 << 64) - 1
+_P = 0x100000001B3  # FNV prime: the rolling multiplier
+_MIX = 0x9E3779B97F4A7C15
+
+
+# ----------------------------------------------------------- shared lookup
+
+
+def _match_len(at: Callable[[int], int], p: int, ctx: list[int], lo: int) -> int:
+    """How many tokens before position ``p`` equal the end of ``ctx`` (``at``
+    reads the source; nothing below ``lo``)."""
+    n, m = len(ctx), 0
+    limit = min(MAX_MATCH, n, p - lo)
+    while m < limit and at(p - 1 - m) == ctx[n - 1 - m]:
+        m += 1
+    return m
+
+
+def chain_draft(
+    cands: list[tuple[int, int]],
+    follow: Callable[[int], Optional[int]],
+    n: int,
+    alpha: float,
+    min_score: float,
+) -> tuple[list[int], int]:
+    """The draft continuing ``cands`` (``(match length, position)``) and the
+    match length it rests on. ``follow(q)`` is the token at ``q`` or None."""
+    if not cands:
+        return [], 0
+    best = max(m for m, _ in cands)
+    floor = min(best, FULL_MATCH)
+    live = [p for m, p in cands if m >= floor]
+    limit = min(n, int(alpha * best))
+    out, score = [], 1.0
+    for j in range(limit):
+        counts: dict[int, int] = {}
+        for p in live:
+            t = follow(p + j)
+            if t is not None:
+                counts[t] = counts.get(t, 0) + 1
+        if not counts:
+            break
+        tok, c = max(counts.items(), key=lambda kv: kv[1])
+        score *= c / len(live)
+        if score < min_score:
+            break
+        out.append(tok)
+        live = [p for p in live if follow(p + j) == tok]
+    return out, best
+
+
+# ------------------------------------------------------------ the request
+
+
+class SuffixCache(_BaseCache):
+    """One request's token history and its chains: ``head[key]`` is the
+    newest position whose ``K`` preceding tokens are ``key``, ``prev[pos]``
+    the one before it (``-1``: none)."""
+
+    def __init__(self, k: int = 2):
+        if k < 1:
+            raise ValueError(f"suffix key length must be >= 1, got {k}")
+        self.k = k
+        self.tokens: list[int] = []
+        self.prev: list[int] = []
+        self.head: dict[tuple, int] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        toks, prev, head, k = self.tokens, self.prev, self.head, self.k
+        for t in tokens:
+            i = len(toks)
+            if i >= k:
+                key = tuple(toks[i - k : i])
+                prev.append(head.get(key, -1))
+                head[key] = i
+            else:
+                prev.append(-1)
+            toks.append(int(t))
+
+    def candidates(self) -> list[tuple[int, int]]:
+        """``(match length, position after it)`` of the newest occurrences
+        of the history's own suffix."""
+        toks, k = self.tokens, self.k
+        if len(toks) < k:
+            return []
+        p = self.head.get(tuple(toks[-k:]), -1)
+        at = toks.__getitem__
+        out = []
+        while p >= 0 and len(out) < CHAIN:
+            out.append((_match_len(at, p, toks, 0), p))
+            p = self.prev[p]
+        return out
+
+    def follow(self, q: int) -> Optional[int]:
+        return self.tokens[q] if q < len(self.tokens) else None
+
+    # -- mlx-lm cache interface (trim, copy, size, save) -----------------------
+    @property
+    def offset(self):
+        return len(self.tokens)
+
+    def size(self):
+        return len(self.tokens)
+
+    def empty(self):
+        return not self.tokens
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(n, len(self.tokens))
+        toks, prev, head, k = self.tokens, self.prev, self.head, self.k
+        for _ in range(n):
+            toks.pop()
+            i, old = len(toks), prev.pop()
+            if i >= k:
+                key = tuple(toks[i - k : i])
+                if old < 0:
+                    del head[key]
+                else:
+                    head[key] = old
+        return n
+
+    @property
+    def nbytes(self):
+        return 4 * len(self.tokens) * 3  # ids, chain links, keys: the data, not Python's objects
+
+    @property
+    def state(self):
+        return mx.array(self.tokens, dtype=mx.int32)
+
+    @state.setter
+    def state(self, v):
+        self.tokens, self.prev, self.head = [], [], {}
+        self.extend(v.tolist() if isinstance(v, mx.array) else v)
+
+    @property
+    def meta_state(self):
+        return (str(self.k),)
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.k = int(v[0])
+
+    MAX_K = 64  # a stored cache may come from an untrusted file: bound its work
+
+    @classmethod
+    def from_state(cls, state, meta_state=("2",)):
+        k = int(meta_state[0])
+        if not 1 <= k <= cls.MAX_K:
+            raise ValueError(f"suffix key length {k} is out of 1..{cls.MAX_K}")
+        if isinstance(state, mx.array) and (state.ndim != 1 or state.dtype != mx.int32):
+            raise ValueError(f"suffix history of shape {state.shape} and {state.dtype}")
+        obj = cls(k)
+        obj.state = state
+        return obj
+
+
+# ------------------------------------------------------------- the corpus
+
+
+def _key_hash(tokens: list[int]) -> int:
+    h = 0
+    for t in tokens:
+        h = (h * _P + (t & 0xFFFFFFFF)) & _M64
+    h ^= h >> 29
+    return (h * _MIX) & _M64
+
+
+def _key_hashes(toks: np.ndarray, k: int) -> np.ndarray:
+    """``_key_hash`` of every ``k`` consecutive tokens, vectorized (uint64 wraps
+    as the Python version masks)."""
+    u = toks.astype(np.uint32).astype(np.uint64)
+    n = len(u) - k + 1
+    h = np.zeros(n, np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(k):
+            h = h * np.uint64(_P) + u[i : i + n]
+        h ^= h >> np.uint64(29)
+        return h * np.uint64(_MIX)
+
+
+class SuffixCorpus:
+    """Past prompts and outputs, at most ``cap`` tokens, oldest overwritten
+    first. Positions are global (they only grow); position ``g`` lives in
+    slot ``g % cap`` while ``g >= end - cap``."""
+
+    def __init__(self, cap: int = DEFAULT_CORPUS_TOKENS, k: int = 4):
+        if cap < 2 or k < 1:
+            raise ValueError(f"need a corpus of at least 2 tokens and k >= 1, got {cap}, {k}")
+        self.cap, self.k = cap, k
+        self.bits = max(4, (cap - 1).bit_length())  # >= cap buckets
+        self.end = 0  # the next global position
+        self.docs = 0
+        self.toks: Optional[np.ndarray] = None  # allocated on first add
+
+    def _alloc(self):
+        self.toks = np.full(self.cap, SEP, np.int32)
+        self.prev = np.full(self.cap, -1, np.int64)
+        self.head = np.full(1 << self.bits, -1, np.int64)
+
+    def __len__(self) -> int:
+        """Tokens held (separators included)."""
+        return min(self.end, self.cap)
+
+    @property
+    def base(self) -> int:
+        return max(0, self.end - self.cap)
+
+    @property
+    def nbytes(self) -> int:
+        if self.toks is None:
+            return 0
+        return self.toks.nbytes + self.prev.nbytes + self.head.nbytes
+
+    def add(self, tokens: list[int]) -> None:
+        """Append a document (a separator first), overwriting the oldest text."""
+        doc = np.asarray(tokens, np.int64)[-(self.cap - 1) :]
+        if len(doc) == 0:
+            return
+        if self.toks is None:
+            self._alloc()
+        start = self.end + 1
+        pos = np.arange(start - 1, start + len(doc))
+        self.toks[pos % self.cap] = np.concatenate([[SEP], doc]).astype(np.int32)
+        self.end = start + len(doc)
+        self.docs += 1
+        if len(doc) > self.k:
+            self._index(doc, start)
+
+    def _index(self, doc, start):
+        # Position start+i+k follows doc[i:i+k]; same bucket: chain newest first.
+        buckets = (_key_hashes(doc[:-1], self.k) >> np.uint64(64 - self.bits)).astype(np.int64)
+        gs = start + self.k + np.arange(len(buckets))
+        order = np.argsort(buckets, kind="stable")
+        b, g = buckets[order], gs[order]
+        first = np.ones(len(b), bool)
+        first[1:] = b[1:] != b[:-1]
+        prev = np.empty_like(g)
+        prev[1:] = g[:-1]
+        prev[first] = self.head[b[first]]
+        self.prev[g % self.cap] = prev
+        last = np.ones(len(b), bool)
+        last[:-1] = b[:-1] != b[1:]
+        self.head[b[last]] = g[last]
+
+    def _at(self, g: int) -> int:
+        return int(self.toks[g % self.cap])
+
+    def follow(self, g: int) -> Optional[int]:
+        if g >= self.end:
+            return None
+        t = self._at(g)
+        return None if t == SEP else t
+
+    def candidates(self, ctx: list[int]) -> list[tuple[int, int]]:
+        """``(match length, position after it)`` of the newest occurrences of
+        the end of ``ctx`` (at least ``k`` tokens long)."""
+        if self.toks is None or len(ctx) < self.k:
+            return []
+        b = _key_hash(ctx[-self.k :]) >> (64 - self.bits)
+        p, base, out, walked = int(self.head[b]), self.base, [], 0
+        while p >= base and walked < CHAIN:
+            walked += 1
+            m = _match_len(self._at, p, ctx, base)
+            if m >= self.k:  # a bucket may hold other keys
+                out.append((m, p))
+            p = int(self.prev[p % self.cap])
+        return out
+
+
+# ---------------------------------------------- one corpus per model+tokenizer
+
+_CORPORA: dict[tuple, SuffixCorpus] = {}
+
+
+def tokenizer_key(tokenizer: Any) -> Optional[str]:
+    """A fingerprint of a tokenizer's vocabulary (None if it has none)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    items = sorted(get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+
+
+def corpus_for(model: Any, tok_key: Any, cap: int) -> SuffixCorpus:
+    """This process's corpus for ``model`` (the loaded object) and a
+    tokenizer; forgotten when the model is."""
+    key = (id(model), tok_key, cap)
+    corpus = _CORPORA.get(key)
+    if corpus is None:
+        corpus = _CORPORA[key] = SuffixCorpus(cap)
+        try:
+            weakref.finalize(model, _CORPORA.pop, key, None)
+        except TypeError:  # not weak-referenceable: kept for the process
+            pass
+    return corpus
+
+
+# ------------------------------------------------------------ the drafter
+
+
+class SuffixDrafter(Drafter):
+    """Suffix drafting over this request, then this process's past requests.
+
+    The request's own text is searched first (the most specific source); the
+    corpus only when the request proposes nothing. As the n-gram drafter
+    does, it keeps a decaying hit rate of its first guess per source and
+    match length, and stays silent where that is under ``MIN_HIT`` (the
+    guess is still checked, so a source that starts to fit is heard again).
+    """
+
+    name = "suffix"
+    ALPHA = 2.0  # draft at most this many times the match length
+    MIN_SCORE = 0.3  # stop when the continuation's share falls under this
+    DECAY = 0.8
+    MIN_TRIES = 3.0
+    MIN_HIT = 0.34
+
+    def __init__(
+        self,
+        corpus_tokens: int = DEFAULT_CORPUS_TOKENS,
+        tokenizer: Any = None,
+        corpus: Optional[SuffixCorpus] = None,
+        max_draft: int = 16,
+        adaptive: bool = True,
+        auto_off: bool = True,
+    ):
+        if corpus_tokens < 2:
+            raise ValueError(f"corpus_tokens must be >= 2, got {corpus_tokens}")
+        if max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+        self.corpus_tokens, self.max_draft = corpus_tokens, max_draft
+        self.adaptive, self.auto_off = adaptive, auto_off
+        self.corpus = corpus  # fixed; else the process's corpus for the model
+        self.tok_key = tokenizer_key(tokenizer) if tokenizer is not None else None
+
+    def __repr__(self):
+        return f"SuffixDrafter(corpus_tokens={self.corpus_tokens}, max_draft={self.max_draft})"
+
+    def corpus_of(self, model: Any) -> SuffixCorpus:
+        if self.corpus is not None:
+            return self.corpus
+        vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+        return corpus_for(model, self.tok_key or vocab, self.corpus_tokens)
+
+    def make_cache(self) -> list[Any]:
+        return [SuffixCache()]
+
+    def cache_ok(self, caches: list[Any]) -> bool:
+        return len(caches) == 1 and isinstance(caches[0], SuffixCache)
+
+    def prefill(self, ctx: DraftContext, tokens: list[int]) -> None:
+        cache = ctx.cache[0]
+        ctx.state["start"] = len(cache.tokens)  # restored from a prompt cache before it
+        ctx.state["corpus"] = self.corpus_of(ctx.model)
+        cache.extend(tokens)
+
+    def _silent(self, ctx, bucket):
+        tries, hits = ctx.state.setdefault("hits", {}).get(bucket, (0.0, 0.0))
+        return tries >= self.MIN_TRIES and hits < self.MIN_HIT * tries
+
+    def _sources(self, ctx):
+        cache = ctx.cache[0]
+        yield "request", cache.candidates(), cache.follow
+        corpus = ctx.state.get("corpus") or self.corpus_of(ctx.model)
+        yield "corpus", corpus.candidates(cache.tokens), corpus.follow
+
+    def draft(self, ctx: DraftContext, n: int) -> tuple[list[int], None]:
+        guesses = ctx.state["guesses"] = []
+        for source, cands, follow in self._sources(ctx):
+            tokens, m = chain_draft(cands, follow, n, self.ALPHA, self.MIN_SCORE)
+            if not tokens:
+                continue
+            bucket = (source, min(m, 8))
+            guesses.append((bucket, tokens[0]))
+            if not self._silent(ctx, bucket):
+                return tokens, None
+        return [], None  # nothing, or only silent guesses (checked in accept)
+
+    def accept(self, ctx: DraftContext, tokens: list[int], n_drafted: int) -> None:
+        hits = ctx.state.setdefault("hits", {})
+        for bucket, first in ctx.state.pop("guesses", ()):
+            tries, right = hits.get(bucket, (0.0, 0.0))
+            hits[bucket] = (self.DECAY * tries + 1, self.DECAY * right + (tokens[0] == first))
+        ctx.cache[0].extend(tokens)
+
+    def trim(self, ctx: DraftContext, n: int) -> None:
+        ctx.cache[0].trim(n)
+
+    def flush(self, ctx: DraftContext) -> None:
+        # The end of the request: its text goes into the corpus, once. What
+        # a restored prompt cache held came from an earlier request, which
+        # added it then: only the new part (with k tokens of context) goes in.
+        if "start" not in ctx.state or ctx.state.get("flushed"):
+            return
+        ctx.state["flushed"] = True
+        corpus = ctx.state["corpus"]
+        toks = ctx.cache[0].tokens
+        corpus.add(toks[max(0, ctx.state["start"] - corpus.k) :])
