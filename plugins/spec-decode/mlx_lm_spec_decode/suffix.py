@@ -71,20 +71,30 @@ def chain_draft(
     n: int,
     alpha: float,
     min_score: float,
+    present: Optional[int] = None,
 ) -> tuple[list[int], int]:
     """The draft continuing ``cands`` (``(match length, position)``) and the
-    match length it rests on. ``follow(q)`` is the token at ``q`` or None."""
+    match length it rests on. ``follow(q)`` is the token at ``q`` or None;
+    with ``present`` (the history's length) a match running into the present
+    repeats what it drafted (LZ77-style: a loop continues)."""
     if not cands:
         return [], 0
     best = max(m for m, _ in cands)
     floor = min(best, FULL_MATCH)
     live = [p for m, p in cands if m >= floor]
     limit = min(n, int(alpha * best))
-    out, score = [], 1.0
+    out: list[int] = []
+    score = 1.0
+
+    def at(q):
+        if present is not None and q >= present:
+            return out[q - present] if q - present < len(out) else None
+        return follow(q)
+
     for j in range(limit):
         counts: dict[int, int] = {}
         for p in live:
-            t = follow(p + j)
+            t = at(p + j)
             if t is not None:
                 counts[t] = counts.get(t, 0) + 1
         if not counts:
@@ -93,8 +103,8 @@ def chain_draft(
         score *= c / len(live)
         if score < min_score:
             break
+        live = [p for p in live if at(p + j) == tok]
         out.append(tok)
-        live = [p for p in live if follow(p + j) == tok]
     return out, best
 
 
@@ -412,14 +422,14 @@ class SuffixDrafter(Drafter):
 
     def _sources(self, ctx):
         cache = ctx.cache[0]
-        yield "request", cache.candidates(), cache.follow
+        yield "request", cache.candidates(), cache.follow, len(cache.tokens)
         corpus = ctx.state.get("corpus") or self.corpus_of(ctx.model)
-        yield "corpus", corpus.candidates(cache.tokens), corpus.follow
+        yield "corpus", corpus.candidates(cache.tokens), corpus.follow, None
 
     def draft(self, ctx: DraftContext, n: int) -> tuple[list[int], None]:
         guesses = ctx.state["guesses"] = []
-        for source, cands, follow in self._sources(ctx):
-            tokens, m = chain_draft(cands, follow, n, self.ALPHA, self.MIN_SCORE)
+        for source, cands, follow, present in self._sources(ctx):
+            tokens, m = chain_draft(cands, follow, n, self.ALPHA, self.MIN_SCORE, present)
             if not tokens:
                 continue
             bucket = (source, min(m, 8))
