@@ -27,8 +27,9 @@ or device is ignored. A candidate that fails (out of memory, a kernel
 that does not build) is dropped with a debug log line.
 
 Data-parallel runs (``mx.distributed``): rank 0 decides (its cache or its
-trial) and every rank takes rank 0's choice through one ``all_sum``, so
-the ranks never run different paths.
+trial) on the first call and every rank takes rank 0's choice through one
+``all_sum``; that choice holds for the whole run, so the ranks never run
+different paths (see ``choose``).
 """
 
 import gc
@@ -355,27 +356,53 @@ def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock, strict=Tr
     return Choice(win.candidate, win.ms, win.peak, line)
 
 
-def _agree(index: int) -> int:
-    """Rank 0's candidate index on every rank (-1: rank 0 failed)."""
-    group = mx.distributed.init() if mx.distributed.is_available() else None
-    if group is None or group.size() == 1:
-        return index
-    mine = index if group.rank() == 0 else 0
-    total = mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group)
+_BACKENDS = ("", "mlx", "cuda-gemm", "cuda")  # how a candidate travels between ranks
+_DP = []  # the one choice of a data-parallel run
+
+
+def _group():
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def _encode(cand: Optional[Candidate]) -> list:
+    if cand is None:
+        return [-1, 0, 0, 0, 0, 0]
+    return [int(cand.impl == "flash"), _BACKENDS.index(cand.backend), cand.token_chunk, cand.vocab_chunk,
+            cand.limit_mib, int(cand.last_resort)]
+
+
+def _decode(code: list) -> Optional[Candidate]:
+    if code[0] < 0:
+        return None
+    return Candidate("flash" if code[0] else "stock", _BACKENDS[code[1]], code[2], code[3], code[4], bool(code[5]))
+
+
+def _agree(group, cand: Optional[Candidate]) -> Optional[Candidate]:
+    """Rank 0's candidate on every rank (None: rank 0 found none)."""
+    mine = _encode(cand) if group.rank() == 0 else [0] * 6
+    total = mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group)
     mx.eval(total)
-    return int(total.item())
+    return _decode([int(x) for x in total.tolist()])
 
 
 def _rank() -> int:
-    if not mx.distributed.is_available():
-        return 0
-    return mx.distributed.init().rank()
+    group = _group()
+    return 0 if group is None else group.rank()
 
 
 def choose(spec, n, h, dtype, nbytes, opts, run_choice, include_stock=True) -> Candidate:
-    """The path for this call: cached, or measured now (rank 0's on every rank).
+    """The path for this call: cached, or measured now.
 
     ``nbytes``: the memory budget (None: ``budget.default_for`` the batch).
+    Data-parallel runs decide once, on the first call (which every rank
+    makes in step: the first validation batch or the first training step),
+    and keep rank 0's choice for every later shape: ranks pad their batches
+    to their own lengths and mlx-lm's compiled step retraces on each rank's
+    own schedule, so a collective per shape could pair up calls of
+    different shapes, or wait forever.
     """
     from mlx_lm_ext import PluginError
 
@@ -385,11 +412,14 @@ def choose(spec, n, h, dtype, nbytes, opts, run_choice, include_stock=True) -> C
     key = _key(spec, n, h, dtype, nbytes, opts)
     if key in _MEMORY:
         return _MEMORY[key].candidate
-    cands = candidates(spec, n, h, dtype, include_stock) + [Candidate("stock"), Candidate("flash", "mlx")]
+    group = _group()
+    if group is not None and _DP:
+        return _DP[0]
+    cands = candidates(spec, n, h, dtype, include_stock)
     choice, error = None, None
     if _rank() == 0:
         choice = _cached(key)
-        if choice is not None and choice.candidate not in cands:
+        if choice is not None and choice.candidate not in cands + [Candidate("flash", "mlx")]:
             choice = None  # written by a version with other candidates
         if choice is None:
             try:
@@ -404,11 +434,14 @@ def choose(spec, n, h, dtype, nbytes, opts, run_choice, include_stock=True) -> C
                                       "device": device_name()})
         else:
             log.info("%s (cached)", choice.line.split("; trial")[0] if choice.line else choice.candidate.label)
-    index = _agree(-1 if error is not None else (cands.index(choice.candidate) if choice else 0))
-    if index < 0:
-        raise error if error is not None else PluginError("flash-cce auto: rank 0 found no path within the "
-                                                          "memory budget")
-    if choice is None or cands.index(choice.candidate) != index:
-        choice = Choice(cands[index], 0.0, 0, "")
+    if group is not None:
+        agreed = _agree(group, choice.candidate if choice is not None and error is None else None)
+        if agreed is None:
+            raise error if error is not None else PluginError(
+                "flash-cce auto: rank 0 found no path within the memory budget")
+        _DP.append(agreed)
+        choice = Choice(agreed, 0.0, 0, "")
+    elif error is not None:
+        raise error
     _MEMORY[key] = choice
     return choice.candidate

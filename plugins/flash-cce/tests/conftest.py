@@ -18,5 +18,7 @@ def _autotune_cache(tmp_path, monkeypatch):
 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "flash-cce-cache"))
     autotune._MEMORY.clear()
+    autotune._DP.clear()
     yield
     autotune._MEMORY.clear()
+    autotune._DP.clear()

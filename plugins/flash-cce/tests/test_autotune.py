@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -227,12 +228,22 @@ def test_ranks_agree_on_auto_choice(tmp_path):
     out.mkdir()
     cmd = [launch, "-n", "2", "--backend", "ring", "--python", sys.executable, str(HERE / "dp_worker.py"),
            str(tmp_path), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # its own process group: a hang (ranks pairing the wrong collectives) ends with every rank
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail("the ranks did not finish (mismatched collectives?):\n" + output[-2000:])
+    assert proc.returncode == 0, output[-3000:]
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     # rank 1's own cache says "stock"; rank 0 measured, and its trial prefers the pure-MLX path
     assert results[1]["own_cache"] == "stock"
     assert results[0]["choice"] == results[1]["choice"] == results[0]["measured"] == "mlx"
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], abs=1e-6)
+    # later batches of other (per-rank) shapes keep it, without collective calls
+    assert results[0]["later"] == results[1]["later"] == "mlx" and results[0]["paired"] == results[1]["paired"] == 2
     # only rank 0 writes its cache; rank 1's stays as it was
     assert results[0]["cached"] == results[0]["choice"] and results[1]["cached"] == "stock"
