@@ -301,10 +301,12 @@ def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock, strict=Tr
     """
     from mlx_lm_ext import PluginError
 
-    if spec.kind == "quantized" and not _budget.is_async_gpu():
+    why_not = f"the stock head needs ~{_budget.format_size(stock_bytes(n, spec.vocab, dtype))}"
+    if spec.kind == "quantized" and not _budget.is_async_gpu() and include_stock:
         # MLX's CPU quantized_matmul is ~10x slower than the dequantized BLAS
         # blocks the pure-MLX path uses: timing it would cost more than it tells.
         include_stock = False
+        why_not = "MLX's quantized matmul is slow on the CPU, so the stock head is not timed"
     fits_stock = include_stock and stock_bytes(n, spec.vocab, dtype) <= nbytes
     cands = candidates(spec, n, h, dtype, fits_stock or (include_stock and _stock_reference(n, spec.vocab, dtype)))
     within = [c for c in cands if c.impl != "stock" and floor_bytes(c, n, h, dtype) <= nbytes]
@@ -320,8 +322,7 @@ def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock, strict=Tr
     if len(within) == 1 and not any(c.impl == "stock" for c in cands):
         only = within[0]
         line = (f"flash-cce auto: {what}: {only.label} (the only path within the budget "
-                f"{_budget.format_size(nbytes)}; the stock head needs ~"
-                f"{_budget.format_size(stock_bytes(n, spec.vocab, dtype))}, no trial)")
+                f"{_budget.format_size(nbytes)}; {why_not}; no trial)")
         return Choice(only, 0.0, 0, line)
     tic = time.perf_counter()
     results, failed = trial([c for c in cands if c.impl == "stock" or c in within], spec, n, h, dtype, nbytes,

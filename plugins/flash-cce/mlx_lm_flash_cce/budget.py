@@ -113,8 +113,8 @@ class MemoryLimit:
     too: while they sit above it MLX runs the queued work before each new
     allocation. That keeps the loss blocks from piling up, and also makes
     the model's own backward pass wait for the device op by op: on the
-    H200 a whole LoRA step of a 1B model took 1.36x as long with the limit
-    at weights + budget. So the default budget holds it no lower than
+    H200 a whole LoRA step of a 1B model took 1.19-1.36x as long with the
+    limit at weights + the path's headroom. So the default budget holds it no lower than
     ``device_floor()`` (a step runs unthrottled until memory gets short),
     and an explicit ``--cce-memory-budget`` holds it at weights + budget.
     """
