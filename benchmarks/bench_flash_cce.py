@@ -30,14 +30,14 @@ Sections (pick with flags; default: --heads):
               (filter_eps, block_skip_eps) on hidden states of real text
               from SmolLM2-135M (float32, dense tied head).
 
-CPU sizes: the issue's H (576 / 2048 / 2560) and N = 8192 take tens of
+CPU sizes: the target H (576 / 2048 / 2560) and N = 8192 take tens of
 minutes per run on a 2-core CPU, and the stock loss at N = 8192 needs 19 GB
 (float32) or ~10 GB (bf16) there, so on the CPU the defaults shrink H to 256
 and N to 2048 / 1024 for the two large vocabularies (``--cpu-full`` keeps
-the issue's sizes). On a GPU the issue's sizes are used. Every row says
+the target sizes). On a GPU the target sizes are used. Every row says
 which N and H it ran.
 
-    flock /tmp/mlx-lm-ext-heavy.lock env LD_PRELOAD=.../libopenblas.so.0 \\
+    env LD_PRELOAD=.../libopenblas.so.0 \\
         python benchmarks/bench_flash_cce.py --heads --step --crossover --filters
 """
 
@@ -105,48 +105,61 @@ def head_case(n, v, h, dtype, quantized, seed=0):
     return hidden, head, targets
 
 
-def run_heads(a, rows):
+def _head_row(a, rows, n, v, h, dtype):
     from mlx_lm_flash_cce import linear_cross_entropy
+
+    hidden, head, targets = head_case(n, v, h, dtype, a.quantized)
+    call = head if not a.quantized else head
+
+    def stock(x):
+        logits = call(x) if a.quantized else x @ head.T
+        return nn.losses.cross_entropy(logits, targets).astype(mx.float32).mean()
+
+    opts = json.loads(a.flash_opts) if a.flash_opts else {}
+
+    def flash(x):
+        return linear_cross_entropy(x, head, targets, impl="flash", **opts)
+
+    result = {
+        "N": n,
+        "V": v,
+        "H": h,
+        "dtype": a.dtype,
+        "head": "q4" if a.quantized else "dense",
+        "device": str(mx.default_device()),
+        "opts": opts,
+    }
+    stock_bytes = 4 * n * v * dtype.size
+    if stock_bytes > a.max_stock_bytes:
+        result["stock"] = None
+        print(f"  skip stock at N={n} V={v}: needs ~{stock_bytes / 2**30:.1f} GiB", flush=True)
+    else:
+        result["stock"] = measure(stock, [hidden], a.repeats, a.warmup)
+    old_limit = None
+    if a.memory_limit_mib:
+        # MLX waits for queued work once active memory passes the limit:
+        # on a GPU this is what keeps asynchronous evaluation bounded.
+        old_limit = mx.set_memory_limit(mx.get_active_memory() + int(a.memory_limit_mib * 2**20))
+        result["memory_limit_mib"] = a.memory_limit_mib
+    try:
+        result["flash"] = measure(flash, [hidden], a.repeats, a.warmup)
+    finally:
+        if old_limit is not None:
+            mx.set_memory_limit(old_limit)
+    rows.append(result)
+    print_heads([result], header=len(rows) == 1)
+    gc.collect()
+    mx.clear_cache()
+
+
+def run_heads(a, rows):
 
     shapes = ISSUE_SHAPES if (on_gpu() or a.cpu_full) else CPU_SHAPES
     if a.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes]
     dtype = getattr(mx, a.dtype)
     for n, v, h in shapes:
-        hidden, head, targets = head_case(n, v, h, dtype, a.quantized)
-        call = head if not a.quantized else head
-
-        def stock(x):
-            logits = call(x) if a.quantized else x @ head.T
-            return nn.losses.cross_entropy(logits, targets).astype(mx.float32).mean()
-
-        opts = json.loads(a.flash_opts) if a.flash_opts else {}
-
-        def flash(x):
-            return linear_cross_entropy(x, head, targets, impl="flash", **opts)
-
-        result = {"N": n, "V": v, "H": h, "dtype": a.dtype, "head": "q4" if a.quantized else "dense",
-                  "device": str(mx.default_device()), "opts": opts}
-        stock_bytes = 4 * n * v * dtype.size
-        if stock_bytes > a.max_stock_bytes:
-            result["stock"] = None
-            print(f"  skip stock at N={n} V={v}: needs ~{stock_bytes / 2**30:.1f} GiB", flush=True)
-        else:
-            result["stock"] = measure(stock, [hidden], a.repeats, a.warmup)
-        old_limit = None
-        if a.memory_limit_mib:
-            # MLX waits for queued work once active memory passes the limit:
-            # on a GPU this is what keeps asynchronous evaluation bounded.
-            old_limit = mx.set_memory_limit(mx.get_active_memory() + int(a.memory_limit_mib * 2**20))
-            result["memory_limit_mib"] = a.memory_limit_mib
-        try:
-            result["flash"] = measure(flash, [hidden], a.repeats, a.warmup)
-        finally:
-            if old_limit is not None:
-                mx.set_memory_limit(old_limit)
-        rows.append(result)
-        print_heads([result], header=len(rows) == 1)
-        del hidden, head, targets
+        _head_row(a, rows, n, v, h, dtype)
         gc.collect()
         mx.clear_cache()
 
@@ -167,17 +180,27 @@ def print_heads(rows, header=True):
             s = f"{'-':>8} {f_t:8.3f} {'-':>6} | {'-':>9} {_mib(f_m)} {'-':>7} | - / {f_l:.5f}"
         else:
             s_t, s_m, s_l = r["stock"]
-            s = (f"{s_t:8.3f} {f_t:8.3f} {f_t / s_t:6.2f} | {_mib(s_m)} {_mib(f_m)} {s_m / max(f_m, 1):7.1f} | "
-                 f"{s_l:.5f} / {f_l:.5f}")
-        print(f"{r['N']:>6} {r['V']:>7} {r['H']:>5} {r['dtype']:>8} {r['head']:>5} | {s}", flush=True)
+            s = (
+                f"{s_t:8.3f} {f_t:8.3f} {f_t / s_t:6.2f} | {_mib(s_m)} {_mib(f_m)} {s_m / max(f_m, 1):7.1f} | "
+                f"{s_l:.5f} / {f_l:.5f}"
+            )
+        print(
+            f"{r['N']:>6} {r['V']:>7} {r['H']:>5} {r['dtype']:>8} {r['head']:>5} | {s}", flush=True
+        )
 
 
 # ------------------------------------------------------------- gpu table
 
 GPU_SHAPES = [(8192, 151936, 2048), (8192, 262144, 2560), (8192, 151936, 4096)]
 # cuda-gemm rows: blocks, optional memory limit (MLX's backpressure on CUDA, see cuda_gemm.py)
-GEMM_CONFIGS = ("8192x8192", "8192x8192@512", "4096x8192@256", "2048x8192@128", "8192x16384@1024",
-                "mlx:8192x8192@512")
+GEMM_CONFIGS = (
+    "8192x8192",
+    "8192x8192@512",
+    "4096x8192@256",
+    "2048x8192@128",
+    "8192x16384@1024",
+    "mlx:8192x8192@512",
+)
 
 
 def _time_only(fn, args, repeats):
@@ -205,89 +228,163 @@ def gemm_method(config, head, targets, frozen):
     name = f"cuda-gemm{' mlx-ew' if elementwise else ''} {tc}x{vc}"
 
     def fn(x):
-        return linear_cross_entropy(x, head, targets, impl="flash", backend="cuda-gemm", train=frozen,
-                                    token_chunk=tc, vocab_chunk=vc, elementwise=elementwise)
+        return linear_cross_entropy(
+            x,
+            head,
+            targets,
+            impl="flash",
+            backend="cuda-gemm",
+            train=frozen,
+            token_chunk=tc,
+            vocab_chunk=vc,
+            elementwise=elementwise,
+        )
 
     return name, fn, int(limit) if limit else None
 
 
-def run_gpu_table(a, rows):
+def _gpu_rows(a, rows, quantized, n, v, h, frozen):
     from mlx_lm_flash_cce import cuda, linear_cross_entropy
+
+    hidden, head, targets = head_case(n, v, h, mx.bfloat16, quantized)
+    kind = "q4" if quantized else "bf16"
+    if cuda.plan(head, hidden) != "cuda":
+        print(f"  kernels not used: {cuda.plan(head, hidden)}")
+
+    def stock(x):
+        logits = head(x) if quantized else x @ head.T
+        return nn.losses.cross_entropy(logits, targets).astype(mx.float32).mean()
+
+    def stock_dequantized(x):  # where MLX's quantized_matmul fails at this shape
+        w = mx.dequantize(head.weight, head.scales, head.biases, group_size=64, bits=4)
+        return nn.losses.cross_entropy(x @ w.T, targets).astype(mx.float32).mean()
+
+    methods = [
+        ("stock", stock, None),
+        (
+            "fused cuda",
+            lambda x: linear_cross_entropy(
+                x, head, targets, impl="flash", backend="cuda", train=frozen
+            ),
+            None,
+        ),
+        (
+            "pure-mlx",
+            lambda x: linear_cross_entropy(
+                x, head, targets, impl="flash", backend="mlx", train=frozen
+            ),
+            None,
+        ),
+        (
+            "pure-mlx big",
+            lambda x: linear_cross_entropy(
+                x,
+                head,
+                targets,
+                impl="flash",
+                backend="mlx",
+                train=frozen,
+                token_chunk=8192,
+                chunk_elements=1 << 26,
+            ),
+            256,
+        ),
+    ] + [gemm_method(c, head, targets, frozen) for c in a.gemm_configs]
+    base = None
+    for name, fn, limit in methods:
+        if name.startswith("pure-mlx") and a.skip_mlx or name == "fused cuda" and a.skip_fused:
+            continue
+        old = None
+        if limit:
+            old = mx.set_memory_limit(mx.get_active_memory() + limit * 2**20)
+        try:
+            t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
+        except Exception as e:  # noqa: BLE001 (a kernel that fails to build is one failed row)
+            print(
+                f"{n:>5} {v:>7} {h:>5} {kind:>5} {name:>14} | failed: {str(e)[:300]}",
+                flush=True,
+            )
+            rows.append({"N": n, "V": v, "H": h, "head": kind, "method": name, "error": str(e)})
+            if name != "stock" or not quantized:
+                continue
+            name, fn = "stock (deq.)", stock_dequantized
+            t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
+        finally:
+            if old is not None:
+                mx.set_memory_limit(old)
+        if base is None:
+            base = (t, m)
+        label = name + (f" (limit +{limit})" if limit else "")
+        rows.append(
+            {
+                "N": n,
+                "V": v,
+                "H": h,
+                "head": kind,
+                "method": label,
+                "seconds": t,
+                "peak": m,
+                "loss": value,
+            }
+        )
+        print(
+            f"{n:>5} {v:>7} {h:>5} {kind:>5} {label:>14} | {t * 1e3:7.1f} {t / base[0]:7.2f} | "
+            f"{_mib(m)} {base[1] / max(m, 1):10.1f} | {value:.5f}",
+            flush=True,
+        )
+    if a.skip_fused:
+        gc.collect()
+        mx.clear_cache()
+        return
+    try:
+        fwd = _time_only(
+            lambda x: linear_cross_entropy(
+                x, head, targets, impl="flash", backend="cuda", train=frozen
+            ),
+            [hidden],
+            a.repeats,
+        )
+    except Exception as e:  # noqa: BLE001 (no CUDA GPU: the fused rows failed above too)
+        print(
+            f"{n:>5} {v:>7} {h:>5} {kind:>5} {'fused fwd only':>14} | failed: {str(e)[:120]}",
+            flush=True,
+        )
+        return
+    rows.append(
+        {
+            "N": n,
+            "V": v,
+            "H": h,
+            "head": kind,
+            "method": "fused forward only",
+            "seconds": fwd,
+        }
+    )
+    print(
+        f"{n:>5} {v:>7} {h:>5} {kind:>5} {'fused fwd only':>14} | {fwd * 1e3:7.1f} {fwd / base[0]:7.2f} |",
+        flush=True,
+    )
+    gc.collect()
+    mx.clear_cache()
+
+
+def run_gpu_table(a, rows):
 
     shapes = GPU_SHAPES
     if a.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes]
     frozen = {"weight": False}  # LoRA training: the head gets no gradient
-    print(f"\ngpu table: loss + hidden-state gradient, frozen head, min of {a.repeats} after {a.warmup} warm-up; "
-          "MiB = peak above the inputs")
-    print(f"{'N':>5} {'V':>7} {'H':>5} {'head':>5} {'method':>14} | {'ms':>7} {'x stock':>7} | {'MiB':>9} "
-          f"{'stock/this':>10} | loss")
+    print(
+        f"\ngpu table: loss + hidden-state gradient, frozen head, min of {a.repeats} after {a.warmup} warm-up; "
+        "MiB = peak above the inputs"
+    )
+    print(
+        f"{'N':>5} {'V':>7} {'H':>5} {'head':>5} {'method':>14} | {'ms':>7} {'x stock':>7} | {'MiB':>9} "
+        f"{'stock/this':>10} | loss"
+    )
     for quantized in [k == "q4" for k in a.kinds]:
         for n, v, h in shapes:
-            hidden, head, targets = head_case(n, v, h, mx.bfloat16, quantized)
-            kind = "q4" if quantized else "bf16"
-            if cuda.plan(head, hidden) != "cuda":
-                print(f"  kernels not used: {cuda.plan(head, hidden)}")
-
-            def stock(x):
-                logits = head(x) if quantized else x @ head.T
-                return nn.losses.cross_entropy(logits, targets).astype(mx.float32).mean()
-
-            def stock_dequantized(x):  # where MLX's quantized_matmul fails at this shape
-                w = mx.dequantize(head.weight, head.scales, head.biases, group_size=64, bits=4)
-                return nn.losses.cross_entropy(x @ w.T, targets).astype(mx.float32).mean()
-
-            methods = [
-                ("stock", stock, None),
-                ("fused cuda", lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="cuda",
-                                                              train=frozen), None),
-                ("pure-mlx", lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="mlx",
-                                                            train=frozen), None),
-                ("pure-mlx big", lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="mlx",
-                                                                train=frozen, token_chunk=8192,
-                                                                chunk_elements=1 << 26), 256),
-            ] + [gemm_method(c, head, targets, frozen) for c in a.gemm_configs]
-            base = None
-            for name, fn, limit in methods:
-                if name.startswith("pure-mlx") and a.skip_mlx or name == "fused cuda" and a.skip_fused:
-                    continue
-                old = None
-                if limit:
-                    old = mx.set_memory_limit(mx.get_active_memory() + limit * 2**20)
-                try:
-                    t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
-                except Exception as e:  # noqa: BLE001 (a kernel that fails to build is one failed row)
-                    print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {name:>14} | failed: {str(e)[:300]}", flush=True)
-                    rows.append({"N": n, "V": v, "H": h, "head": kind, "method": name, "error": str(e)})
-                    if name != "stock" or not quantized:
-                        continue
-                    name, fn = "stock (deq.)", stock_dequantized
-                    t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
-                finally:
-                    if old is not None:
-                        mx.set_memory_limit(old)
-                if base is None:
-                    base = (t, m)
-                label = name + (f" (limit +{limit})" if limit else "")
-                rows.append({"N": n, "V": v, "H": h, "head": kind, "method": label, "seconds": t, "peak": m,
-                             "loss": value})
-                print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {label:>14} | {t * 1e3:7.1f} {t / base[0]:7.2f} | "
-                      f"{_mib(m)} {base[1] / max(m, 1):10.1f} | {value:.5f}", flush=True)
-            if a.skip_fused:
-                del hidden, head, targets
-                gc.collect()
-                mx.clear_cache()
-                continue
-            try:
-                fwd = _time_only(lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="cuda",
-                                                                train=frozen), [hidden], a.repeats)
-            except Exception as e:  # noqa: BLE001 (no CUDA GPU: the fused rows failed above too)
-                print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {'fused fwd only':>14} | failed: {str(e)[:120]}", flush=True)
-                continue
-            rows.append({"N": n, "V": v, "H": h, "head": kind, "method": "fused forward only", "seconds": fwd})
-            print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {'fused fwd only':>14} | {fwd * 1e3:7.1f} {fwd / base[0]:7.2f} |",
-                  flush=True)
-            del hidden, head, targets
+            _gpu_rows(a, rows, quantized, n, v, h, frozen)
             gc.collect()
             mx.clear_cache()
 
@@ -308,96 +405,146 @@ AUTO_PATHS = [
 ]
 
 
+def _auto_rows(a, rows, kind, quantized, n, v, h, dtype, frozen, here):
+    from mlx_lm_flash_cce import autotune, linear_cross_entropy
+
+    hidden, head, targets = head_case(n, v, h, dtype, quantized)
+
+    def stock(x):
+        logits = head(x) if quantized else x @ head.T
+        return nn.losses.cross_entropy(logits, targets).astype(mx.float32).mean()
+
+    def path(backend, blocks, ew):
+        kw = {"token_chunk": blocks[0], "vocab_chunk": blocks[1]} if blocks else {}
+        return lambda x: linear_cross_entropy(
+            x,
+            head,
+            targets,
+            impl="flash",
+            backend=backend,
+            train=frozen,
+            elementwise=ew,
+            **kw,
+        )
+
+    methods = [("stock", stock, 0)]
+    for label, backend, blocks, limit, ew in AUTO_PATHS:
+        if backend in here and (a.auto_paths is None or label in a.auto_paths):
+            methods.append((label, path(backend, blocks, ew), limit))
+    base = None
+
+    def row(label, t, m, value, extra=None):
+        r = {
+            "N": n,
+            "V": v,
+            "H": h,
+            "head": kind,
+            "method": label,
+            "seconds": t,
+            "peak": m,
+            "loss": value,
+        }
+        r.update(extra or {})
+        rows.append(r)
+        ratio = f"{t / base[0]:7.2f}" if base else f"{'-':>7}"
+        mem = f"{base[1] / max(m, 1):10.1f}" if base else f"{'-':>10}"
+        print(
+            f"{n:>5} {v:>7} {h:>5} {kind:>5} {label:>30} | {t * 1e3:7.1f} {ratio} | {m / 2**20:7.0f} "
+            f"{mem} | {value:.5f}",
+            flush=True,
+        )
+
+    for label, fn, limit in methods:
+        old = mx.set_memory_limit(mx.get_active_memory() + limit * 2**20) if limit else None
+        try:
+            t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
+        except Exception as e:  # noqa: BLE001 (a path that fails here is one failed row)
+            print(
+                f"{n:>5} {v:>7} {h:>5} {kind:>5} {label:>30} | failed: {str(e)[:200]}",
+                flush=True,
+            )
+            rows.append({"N": n, "V": v, "H": h, "head": kind, "method": label, "error": str(e)})
+            continue
+        finally:
+            if old is not None:
+                mx.set_memory_limit(old)
+        if label == "stock":
+            base = (t, m)
+        row(label, t, m, value)
+    for budget in a.auto_budgets:
+        nbytes = None if budget == "default" else budget
+        autotune._MEMORY.clear()
+        os.environ[autotune.CACHE_ENV] = a.auto_cache  # a fresh trial: nothing cached
+        path_ = autotune.cache_path()
+        if path_.exists():
+            path_.unlink()
+        lines = []
+        handler = _Collect(lines)
+        logging.getLogger("mlx_lm_flash_cce").addHandler(handler)
+        logging.getLogger("mlx_lm_flash_cce").setLevel(logging.INFO)
+        fn = lambda x, nbytes=nbytes: linear_cross_entropy(
+            x, head, targets, train=frozen, memory_budget=nbytes
+        )
+        from mlx_lm_flash_cce import budget as _b
+
+        tic = time.perf_counter()
+        try:
+            mx.eval(fn(hidden))  # the first call runs the trial
+            _sync()
+            first = time.perf_counter() - tic
+            cand = autotune._MEMORY[next(iter(autotune._MEMORY))].candidate
+            # measured under the limit the call holds, as in training
+            # (an explicit budget: inputs + the path's limit; the
+            # default: no lower than budget.device_floor())
+            _b.LIMIT.release()
+            t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
+        except Exception as e:  # noqa: BLE001 (e.g. a budget no path fits)
+            print(
+                f"{n:>5} {v:>7} {h:>5} {kind:>5} {'auto @' + str(budget):>30} | {str(e)[:300]}",
+                flush=True,
+            )
+            rows.append(
+                {
+                    "N": n,
+                    "V": v,
+                    "H": h,
+                    "head": kind,
+                    "method": f"auto @{budget}",
+                    "error": str(e),
+                }
+            )
+            continue
+        finally:
+            _b.LIMIT.release()
+            logging.getLogger("mlx_lm_flash_cce").removeHandler(handler)
+        row(f"auto @{budget}: {cand.label}", t, m, value, {"trial_s": first, "log": lines})
+        print(
+            f"{'':>26} trial (first call) {first:.2f} s; {lines[-1] if lines else ''}",
+            flush=True,
+        )
+    gc.collect()
+    mx.clear_cache()
+
+
 def run_auto_table(a, rows):
-    from mlx_lm_flash_cce import autotune, backends, linear_cross_entropy
+    from mlx_lm_flash_cce import backends
 
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes] if a.shapes else GPU_SHAPES[:2]
     frozen = {"weight": False}
     dtype = getattr(mx, a.dtype)
     here = backends.available()
-    print(f"\nauto table: loss + hidden-state gradient, frozen head, {a.dtype}, min of {a.repeats} after "
-          f"{a.warmup} warm-up; MiB = peak above the inputs; x = against stock in this run")
-    print(f"{'N':>5} {'V':>7} {'H':>5} {'head':>5} {'path':>30} | {'ms':>7} {'x stock':>7} | {'MiB':>7} "
-          f"{'stock/this':>10} | loss")
+    print(
+        f"\nauto table: loss + hidden-state gradient, frozen head, {a.dtype}, min of {a.repeats} after "
+        f"{a.warmup} warm-up; MiB = peak above the inputs; x = against stock in this run"
+    )
+    print(
+        f"{'N':>5} {'V':>7} {'H':>5} {'head':>5} {'path':>30} | {'ms':>7} {'x stock':>7} | {'MiB':>7} "
+        f"{'stock/this':>10} | loss"
+    )
     for kind in a.kinds:
         quantized = kind == "q4"
         for n, v, h in shapes:
-            hidden, head, targets = head_case(n, v, h, dtype, quantized)
-
-            def stock(x):
-                logits = head(x) if quantized else x @ head.T
-                return nn.losses.cross_entropy(logits, targets).astype(mx.float32).mean()
-
-            def path(backend, blocks, ew):
-                kw = {"token_chunk": blocks[0], "vocab_chunk": blocks[1]} if blocks else {}
-                return lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend=backend, train=frozen,
-                                                      elementwise=ew, **kw)
-
-            methods = [("stock", stock, 0)]
-            for label, backend, blocks, limit, ew in AUTO_PATHS:
-                if backend in here and (a.auto_paths is None or label in a.auto_paths):
-                    methods.append((label, path(backend, blocks, ew), limit))
-            base = None
-
-            def row(label, t, m, value, extra=None):
-                r = {"N": n, "V": v, "H": h, "head": kind, "method": label, "seconds": t, "peak": m, "loss": value}
-                r.update(extra or {})
-                rows.append(r)
-                ratio = f"{t / base[0]:7.2f}" if base else f"{'-':>7}"
-                mem = f"{base[1] / max(m, 1):10.1f}" if base else f"{'-':>10}"
-                print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {label:>30} | {t * 1e3:7.1f} {ratio} | {m / 2**20:7.0f} "
-                      f"{mem} | {value:.5f}", flush=True)
-
-            for label, fn, limit in methods:
-                old = mx.set_memory_limit(mx.get_active_memory() + limit * 2**20) if limit else None
-                try:
-                    t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
-                except Exception as e:  # noqa: BLE001 (a path that fails here is one failed row)
-                    print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {label:>30} | failed: {str(e)[:200]}", flush=True)
-                    rows.append({"N": n, "V": v, "H": h, "head": kind, "method": label, "error": str(e)})
-                    continue
-                finally:
-                    if old is not None:
-                        mx.set_memory_limit(old)
-                if label == "stock":
-                    base = (t, m)
-                row(label, t, m, value)
-            for budget in a.auto_budgets:
-                nbytes = None if budget == "default" else budget
-                autotune._MEMORY.clear()
-                os.environ[autotune.CACHE_ENV] = a.auto_cache  # a fresh trial: nothing cached
-                path_ = autotune.cache_path()
-                if path_.exists():
-                    path_.unlink()
-                lines = []
-                handler = _Collect(lines)
-                logging.getLogger("mlx_lm_flash_cce").addHandler(handler)
-                logging.getLogger("mlx_lm_flash_cce").setLevel(logging.INFO)
-                fn = lambda x: linear_cross_entropy(x, head, targets, train=frozen, memory_budget=nbytes)
-                from mlx_lm_flash_cce import budget as _b
-
-                tic = time.perf_counter()
-                try:
-                    mx.eval(fn(hidden))  # the first call runs the trial
-                    _sync()
-                    first = time.perf_counter() - tic
-                    cand = autotune._MEMORY[next(iter(autotune._MEMORY))].candidate
-                    # measured under the limit the call holds, as in training
-                    # (an explicit budget: inputs + the path's limit; the
-                    # default: no lower than budget.device_floor())
-                    _b.LIMIT.release()
-                    t, m, value = measure(fn, [hidden], a.repeats, a.warmup)
-                except Exception as e:  # noqa: BLE001 (e.g. a budget no path fits)
-                    print(f"{n:>5} {v:>7} {h:>5} {kind:>5} {'auto @' + str(budget):>30} | {str(e)[:300]}",
-                          flush=True)
-                    rows.append({"N": n, "V": v, "H": h, "head": kind, "method": f"auto @{budget}", "error": str(e)})
-                    continue
-                finally:
-                    _b.LIMIT.release()
-                    logging.getLogger("mlx_lm_flash_cce").removeHandler(handler)
-                row(f"auto @{budget}: {cand.label}", t, m, value, {"trial_s": first, "log": lines})
-                print(f"{'':>26} trial (first call) {first:.2f} s; {lines[-1] if lines else ''}", flush=True)
-            del hidden, head, targets
+            _auto_rows(a, rows, kind, quantized, n, v, h, dtype, frozen, here)
             gc.collect()
             mx.clear_cache()
 
@@ -423,8 +570,12 @@ def run_crossover(a, rows):
     print(f"{'N':>6} {'N*V':>10} | {'stock s':>8} {'flash s':>8} {'time x':>6}")
     for n in a.crossover_n:
         hidden, head, targets = head_case(n, v, h, dtype, False)
-        stock = lambda x: nn.losses.cross_entropy(x @ head.T, targets).astype(mx.float32).mean()
-        flash = lambda x: linear_cross_entropy(x, head, targets, impl="flash")
+        stock = lambda x, head=head, targets=targets: (
+            nn.losses.cross_entropy(x @ head.T, targets).astype(mx.float32).mean()
+        )
+        flash = lambda x, head=head, targets=targets: linear_cross_entropy(
+            x, head, targets, impl="flash"
+        )
         s = measure(stock, [hidden], a.repeats, 1)
         f = measure(flash, [hidden], a.repeats, 1)
         rows.append({"N": n, "V": v, "H": h, "stock": s, "flash": f})
@@ -440,6 +591,7 @@ def real_hidden(model_name, n_tokens):
     from pathlib import Path
 
     from mlx_lm import load
+
     from mlx_lm_ext import models
 
     model, tok = load(str(models.build(model_name, progress=False)))
@@ -456,21 +608,41 @@ def run_filters(a, rows):
 
     model, hidden, targets = real_hidden("smollm2-135m-f32", a.filter_tokens)
     head = model.model.embed_tokens.as_linear
-    print(f"\nfilters: SmolLM2-135M float32, {targets.size} tokens of real text (CPython LICENSE), V=49152")
-    print(f"{'option':>22} | {'seconds':>8} {'time x':>6} | {'max |dh err| / max |dh|':>24} {'rel. L2 err':>11}")
-    exact = measure(lambda x: linear_cross_entropy(x, head, targets, impl="flash"), [hidden], a.repeats, 1)
+    print(
+        f"\nfilters: SmolLM2-135M float32, {targets.size} tokens of real text (CPython LICENSE), V=49152"
+    )
+    print(
+        f"{'option':>22} | {'seconds':>8} {'time x':>6} | {'max |dh err| / max |dh|':>24} {'rel. L2 err':>11}"
+    )
+    exact = measure(
+        lambda x: linear_cross_entropy(x, head, targets, impl="flash"), [hidden], a.repeats, 1
+    )
     g_exact = mx.grad(lambda x: linear_cross_entropy(x, head, targets, impl="flash"))(hidden)
     mx.eval(g_exact)
     print(f"{'exact':>22} | {exact[0]:8.3f} {1.0:6.2f} | {0.0:24.2e} {0.0:11.2e}", flush=True)
     for key in ("filter_eps", "block_skip_eps"):
         for eps in a.filter_eps:
-            fn = lambda x: linear_cross_entropy(x, head, targets, impl="flash", **{key: eps})
+            fn = lambda x, key=key, eps=eps: linear_cross_entropy(
+                x, head, targets, impl="flash", **{key: eps}
+            )
             m = measure(fn, [hidden], a.repeats, 1)
             g = mx.grad(fn)(hidden)
             err = (mx.abs(g - g_exact).max() / mx.abs(g_exact).max()).item()
             l2 = (mx.sqrt(((g - g_exact) ** 2).sum()) / mx.sqrt((g_exact**2).sum())).item()
-            rows.append({"option": key, "eps": eps, "seconds": m[0], "exact_seconds": exact[0], "max_err": err, "l2_err": l2})
-            print(f"{key + '=' + format(eps, 'g'):>22} | {m[0]:8.3f} {m[0] / exact[0]:6.2f} | {err:24.2e} {l2:11.2e}", flush=True)
+            rows.append(
+                {
+                    "option": key,
+                    "eps": eps,
+                    "seconds": m[0],
+                    "exact_seconds": exact[0],
+                    "max_err": err,
+                    "l2_err": l2,
+                }
+            )
+            print(
+                f"{key + '=' + format(eps, 'g'):>22} | {m[0]:8.3f} {m[0] / exact[0]:6.2f} | {err:24.2e} {l2:11.2e}",
+                flush=True,
+            )
 
 
 # -------------------------------------------------------------- lora step
@@ -484,8 +656,8 @@ def one_step(loss_name, model_name, batch, seq, layers, steps):
     from mlx_lm import load
     from mlx_lm.tuner.trainer import default_loss
     from mlx_lm.tuner.utils import linear_to_lora_layers
-    from mlx_lm_ext import models
 
+    from mlx_lm_ext import models
     from mlx_lm_flash_cce import make_loss
 
     if model_name == "random-llama-1b":
@@ -526,7 +698,7 @@ def one_step(loss_name, model_name, batch, seq, layers, steps):
 
     model.train()
     out = []
-    for i in range(steps + 1):  # the first step compiles
+    for _ in range(steps + 1):  # the first step compiles
         gc.collect()
         mx.clear_cache()
         base = mx.get_active_memory()
@@ -535,7 +707,14 @@ def one_step(loss_name, model_name, batch, seq, layers, steps):
         lvalue, toks = step(data, lengths)
         mx.eval(state, lvalue, toks)
         _sync()
-        out.append((time.perf_counter() - tic, mx.get_peak_memory() - base, mx.get_peak_memory(), lvalue.item()))
+        out.append(
+            (
+                time.perf_counter() - tic,
+                mx.get_peak_memory() - base,
+                mx.get_peak_memory(),
+                lvalue.item(),
+            )
+        )
     return {"loss": loss_name, "first": out[0], "steps": out[1:], "log": lines}
 
 
@@ -543,9 +722,17 @@ def random_llama():
     """A ~1.3B-parameter llama (16 layers, hidden 2048, V=151936, tied) with random bf16 weights."""
     from mlx_lm.models import llama
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
-                           num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, vocab_size=151936,
-                           tie_word_embeddings=True)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    )
     mx.random.seed(0)
     model = llama.Model(args)
     model.set_dtype(mx.bfloat16)
@@ -554,14 +741,31 @@ def random_llama():
 
 
 def run_step(a, rows):
-    print(f"\nlora step: {a.step_model}, batch {a.step_batch} x {a.step_seq} tokens, LoRA on {a.step_layers} layers, "
-          f"compiled trainer step, fresh process per loss (min of {a.step_repeats} after a compiling step)")
-    print(f"{'loss':>10} | {'step s':>8} | {'peak MiB above weights':>22} {'process peak MiB':>16} | loss")
+    print(
+        f"\nlora step: {a.step_model}, batch {a.step_batch} x {a.step_seq} tokens, LoRA on {a.step_layers} layers, "
+        f"compiled trainer step, fresh process per loss (min of {a.step_repeats} after a compiling step)"
+    )
+    print(
+        f"{'loss':>10} | {'step s':>8} | {'peak MiB above weights':>22} {'process peak MiB':>16} | loss"
+    )
     results = {}
     for loss_name in a.step_losses:
-        cmd = [sys.executable, __file__, "--_one-step", loss_name, "--step-model", a.step_model,
-               "--step-batch", str(a.step_batch), "--step-seq", str(a.step_seq),
-               "--step-layers", str(a.step_layers), "--step-repeats", str(a.step_repeats)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--_one-step",
+            loss_name,
+            "--step-model",
+            a.step_model,
+            "--step-batch",
+            str(a.step_batch),
+            "--step-seq",
+            str(a.step_seq),
+            "--step-layers",
+            str(a.step_layers),
+            "--step-repeats",
+            str(a.step_repeats),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-2000:])
@@ -571,8 +775,11 @@ def run_step(a, rows):
         best = min(r["steps"], key=lambda s: s[0])
         peak = max(s[1] for s in r["steps"])
         total = max(s[2] for s in r["steps"])
-        print(f"{loss_name:>10} | {best[0]:8.3f} | {_mib(peak):>22} {_mib(total):>16} | {best[3]:.5f} | first step "
-              f"{r['first'][0]:.2f} s", flush=True)
+        print(
+            f"{loss_name:>10} | {best[0]:8.3f} | {_mib(peak):>22} {_mib(total):>16} | {best[3]:.5f} | first step "
+            f"{r['first'][0]:.2f} s",
+            flush=True,
+        )
         for line in r.get("log", []):
             print(f"{'':>12} {line}", flush=True)
     d = results["default"]
@@ -581,35 +788,64 @@ def run_step(a, rows):
             continue
         dt = min(s[0] for s in f["steps"]) / min(s[0] for s in d["steps"])
         dm = max(s[1] for s in d["steps"]) / max(max(s[1] for s in f["steps"]), 1)
-        print(f"{'ratio':>10} | {name}: {dt:.3f}x time | {dm:.2f}x less peak memory above the weights")
+        print(
+            f"{'ratio':>10} | {name}: {dt:.3f}x time | {dm:.2f}x less peak memory above the weights"
+        )
     rows.append(results)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--heads", action="store_true")
     p.add_argument("--step", action="store_true")
     p.add_argument("--crossover", action="store_true")
     p.add_argument("--filters", action="store_true")
-    p.add_argument("--gpu-table", action="store_true", help="CUDA: fused kernels vs stock vs pure-MLX")
+    p.add_argument(
+        "--gpu-table", action="store_true", help="CUDA: fused kernels vs stock vs pure-MLX"
+    )
     p.add_argument("--skip-mlx", action="store_true", help="--gpu-table without the pure-MLX rows")
-    p.add_argument("--skip-fused", action="store_true", help="--gpu-table without the fused-kernel rows")
-    p.add_argument("--gemm-configs", nargs="*", default=list(GEMM_CONFIGS),
-                   help="--gpu-table cuda-gemm rows: [mlx:]TOKENSxVOCAB[@LIMIT_MIB] each "
-                        "(mlx: MLX elementwise step; @: mx.set_memory_limit(inputs + LIMIT MiB)); none: no rows")
-    p.add_argument("--kinds", nargs="*", default=["bf16", "q4"], choices=["bf16", "q4"],
-                   help="--gpu-table heads (default both)")
+    p.add_argument(
+        "--skip-fused", action="store_true", help="--gpu-table without the fused-kernel rows"
+    )
+    p.add_argument(
+        "--gemm-configs",
+        nargs="*",
+        default=list(GEMM_CONFIGS),
+        help="--gpu-table cuda-gemm rows: [mlx:]TOKENSxVOCAB[@LIMIT_MIB] each "
+        "(mlx: MLX elementwise step; @: mx.set_memory_limit(inputs + LIMIT MiB)); none: no rows",
+    )
+    p.add_argument(
+        "--kinds",
+        nargs="*",
+        default=["bf16", "q4"],
+        choices=["bf16", "q4"],
+        help="--gpu-table heads (default both)",
+    )
     p.add_argument("--shapes", nargs="*", help="NxVxH triples, e.g. 2048x49152x576")
-    p.add_argument("--cpu-full", action="store_true", help="the issue's N and H on the CPU too")
+    p.add_argument("--cpu-full", action="store_true", help="the target N and H on the CPU too")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
-    p.add_argument("--quantized", action="store_true", help="4-bit head (group 64) instead of a dense one")
+    p.add_argument(
+        "--quantized", action="store_true", help="4-bit head (group 64) instead of a dense one"
+    )
     p.add_argument("--flash-opts", default=None, help="JSON options for linear_cross_entropy")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default: 1 on GPU, 0 on CPU)")
-    p.add_argument("--max-stock-bytes", type=float, default=6e9,
-                   help="skip the stock loss where its logits x4 exceed this (default 6e9)")
-    p.add_argument("--memory-limit-mib", type=float, default=None,
-                   help="during flash runs, mx.set_memory_limit(inputs + this many MiB)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed runs first (default: 1 on GPU, 0 on CPU)"
+    )
+    p.add_argument(
+        "--max-stock-bytes",
+        type=float,
+        default=6e9,
+        help="skip the stock loss where its logits x4 exceed this (default 6e9)",
+    )
+    p.add_argument(
+        "--memory-limit-mib",
+        type=float,
+        default=None,
+        help="during flash runs, mx.set_memory_limit(inputs + this many MiB)",
+    )
     p.add_argument("--crossover-n", type=int, nargs="*", default=[8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--filter-tokens", type=int, default=512)
     p.add_argument("--filter-eps", type=float, nargs="*", default=[1e-6, 1e-5, 1e-4])
@@ -618,19 +854,32 @@ def main():
     p.add_argument("--step-seq", type=int, default=512)
     p.add_argument("--step-layers", type=int, default=4)
     p.add_argument("--step-repeats", type=int, default=1)
-    p.add_argument("--step-losses", nargs="*", default=["default", "flash-cce"],
-                   help="default, flash-cce, flash-cce@SIZE (an explicit memory budget), "
-                        "flash-cce-nolimit (without MLX's backpressure)")
+    p.add_argument(
+        "--step-losses",
+        nargs="*",
+        default=["default", "flash-cce"],
+        help="default, flash-cce, flash-cce@SIZE (an explicit memory budget), "
+        "flash-cce-nolimit (without MLX's backpressure)",
+    )
     p.add_argument("--auto-table", action="store_true")
-    p.add_argument("--auto-paths", nargs="*", default=None, help="--auto-table: only these path labels")
-    p.add_argument("--auto-budgets", nargs="*", default=["default"], help="--auto-table: budgets for auto rows")
-    p.add_argument("--auto-cache", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "flash-cce-bench-cache"),
-                   help="--auto-table: a scratch folder for auto's cache (emptied per row)")
+    p.add_argument(
+        "--auto-paths", nargs="*", default=None, help="--auto-table: only these path labels"
+    )
+    p.add_argument(
+        "--auto-budgets", nargs="*", default=["default"], help="--auto-table: budgets for auto rows"
+    )
+    p.add_argument(
+        "--auto-cache",
+        default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "flash-cce-bench-cache"),
+        help="--auto-table: a scratch folder for auto's cache (emptied per row)",
+    )
     p.add_argument("--json", default=None, help="write all results here")
     p.add_argument("--_one-step", dest="one_step", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one_step:
-        r = one_step(a.one_step, a.step_model, a.step_batch, a.step_seq, a.step_layers, a.step_repeats)
+        r = one_step(
+            a.one_step, a.step_model, a.step_batch, a.step_seq, a.step_layers, a.step_repeats
+        )
         print(json.dumps(r))
         return
     a.dtype = a.dtype or ("bfloat16" if on_gpu() else "float32")
@@ -638,8 +887,11 @@ def main():
     if not (a.heads or a.step or a.crossover or a.filters or a.gpu_table or a.auto_table):
         a.heads = True
     blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled BLAS"
-    print(f"mlx {mx.__version__}, device {mx.default_device()}"
-          + (f" ({blas})" if not on_gpu() else "") + f", dtype {a.dtype}, min of {a.repeats} runs")
+    print(
+        f"mlx {mx.__version__}, device {mx.default_device()}"
+        + (f" ({blas})" if not on_gpu() else "")
+        + f", dtype {a.dtype}, min of {a.repeats} runs"
+    )
     results = {}
     if a.heads:
         results["heads"] = []

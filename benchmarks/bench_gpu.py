@@ -1,8 +1,8 @@
-"""All three plugins on one GPU machine, one table (issue 7).
+"""All three plugins on one GPU machine, one table.
 
 Runs the plugins' own benchmarks as child processes, each with ``--json``,
 then prints one Markdown table with each figure beside its anchor (stock
-mlx-lm measured in the same run, or the figure the issue names):
+mlx-lm measured in the same run, or a stock anchor figure):
 
 - flash-cce: loss + hidden-state gradient at (N, V, H) = (8192, 151936, 2048)
   and (8192, 262144, 2560) (plus ``--flash-extra`` shapes), bf16 dense and
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ANCHORS = {  # stock bf16 loss + gradient on the H200 (issue 7), ms
+ANCHORS = {  # stock bf16 loss + gradient on the H200, ms
     (8192, 151936, 2048): 15.3,
     (8192, 262144, 2560): 34.5,
 }
@@ -40,7 +40,9 @@ def child(args, log, timeout):
     print(f"$ {' '.join(args)}", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         try:
             for line in proc.stdout:
                 f.write(line)
@@ -53,23 +55,79 @@ def child(args, log, timeout):
 
 
 def run_all(a, out):
-    py = [str(HERE / "bench_flash_cce.py"), "--gpu-table", "--skip-mlx", "--max-stock-bytes", "1e11"]
+    py = [
+        str(HERE / "bench_flash_cce.py"),
+        "--gpu-table",
+        "--skip-mlx",
+        "--max-stock-bytes",
+        "1e11",
+    ]
     if "flash" not in a.skip:
         shapes = ["8192x151936x2048", "8192x262144x2560", *a.flash_extra]
-        for kind, extra in (("bf16", ["--repeats", "3"]), ("q4", ["--repeats", "2", "--gemm-configs", "8192x8192@512"])):
-            child(py + ["--kinds", kind, "--shapes", *shapes, "--json", str(out / f"flash-{kind}.json"), *extra],
-                  out / f"flash-{kind}.log", a.timeout)
+        for kind, extra in (
+            ("bf16", ["--repeats", "3"]),
+            ("q4", ["--repeats", "2", "--gemm-configs", "8192x8192@512"]),
+        ):
+            child(
+                py
+                + [
+                    "--kinds",
+                    kind,
+                    "--shapes",
+                    *shapes,
+                    "--json",
+                    str(out / f"flash-{kind}.json"),
+                    *extra,
+                ],
+                out / f"flash-{kind}.log",
+                a.timeout,
+            )
     if "spec" not in a.skip:
-        child([str(HERE / "bench_spec_decode.py"), "--max-tokens", str(a.max_tokens), "--repeats", "2",
-               "--json", str(out / "spec.json")], out / "spec.log", a.timeout)
+        child(
+            [
+                str(HERE / "bench_spec_decode.py"),
+                "--max-tokens",
+                str(a.max_tokens),
+                "--repeats",
+                "2",
+                "--json",
+                str(out / "spec.json"),
+            ],
+            out / "spec.log",
+            a.timeout,
+        )
         if a.drafter_path:
-            child([str(HERE / "bench_assistant.py"), "--drafter-path", a.drafter_path, *a.assistant_args.split(),
-                   "--max-tokens", str(a.max_tokens), "--json", str(out / "assistant.json")],
-                  out / "assistant.log", a.timeout)
+            child(
+                [
+                    str(HERE / "bench_assistant.py"),
+                    "--drafter-path",
+                    a.drafter_path,
+                    *a.assistant_args.split(),
+                    "--max-tokens",
+                    str(a.max_tokens),
+                    "--json",
+                    str(out / "assistant.json"),
+                ],
+                out / "assistant.log",
+                a.timeout,
+            )
     if "ssd" not in a.skip:
         for n in a.ssd_tokens:
-            child([str(HERE / "bench_ssd_cache.py"), "--only", "ttft", "--tokens", str(n), "--repeats", "3",
-                   "--json", str(out / f"ssd-{n}.json")], out / f"ssd-{n}.log", a.timeout)
+            child(
+                [
+                    str(HERE / "bench_ssd_cache.py"),
+                    "--only",
+                    "ttft",
+                    "--tokens",
+                    str(n),
+                    "--repeats",
+                    "3",
+                    "--json",
+                    str(out / f"ssd-{n}.json"),
+                ],
+                out / f"ssd-{n}.log",
+                a.timeout,
+            )
 
 
 def load(path):
@@ -104,7 +162,7 @@ def flash_rows(out):
                     vs.append(f"{b['peak'] / max(r['peak'], 1):.0f}x less memory")
             anchor = ANCHORS.get(key[:3]) if r["head"] == "bf16" else None
             if anchor and not r["method"].startswith("stock"):
-                vs.append(f"issue anchor {anchor} ms: {'beats' if ms < anchor else 'misses'}")
+                vs.append(f"anchor {anchor} ms: {'beats' if ms < anchor else 'misses'}")
             rows.append((f"flash-cce {r['method']}", where, got, "; ".join(vs) or "-"))
     return rows
 
@@ -117,16 +175,26 @@ def spec_rows(out):
             if r["method"] == "stock":
                 base = r["tps"]
                 continue
-            rows.append(("spec-decode " + r["method"], f"{r['prompt']} ({part} target)",
-                         f"{r['tps']:.0f} tok/s, accept {r['accept'] or '-'}, {r['tpf']} tok/fwd",
-                         f"stock {base:.0f} tok/s: {r['ratio']:.2f}x; same text: {r['same']}"))
+            rows.append(
+                (
+                    "spec-decode " + r["method"],
+                    f"{r['prompt']} ({part} target)",
+                    f"{r['tps']:.0f} tok/s, accept {r['accept'] or '-'}, {r['tpf']} tok/fwd",
+                    f"stock {base:.0f} tok/s: {r['ratio']:.2f}x; same text: {r['same']}",
+                )
+            )
     data = load(out / "assistant.json") or {}
     for key, r in data.get("summary", {}).items():  # "open/assistant": geometric means
         cat, method = key.split("/")
         acc = f"{100 * r['acceptance']:.0f}%" if r.get("acceptance") is not None else "-"
-        rows.append((f"spec-decode {method} (assistant run)", f"{cat} prompts, {data.get('dtype') or 'float32'}",
-                     f"accept {acc}, {r['tokens_per_forward']:.2f} tok/fwd",
-                     f"{r['speed']:.2f}x stock (geometric mean); same text: {'yes' if r['same'] else 'NO'}"))
+        rows.append(
+            (
+                f"spec-decode {method} (assistant run)",
+                f"{cat} prompts, {data.get('dtype') or 'float32'}",
+                f"accept {acc}, {r['tokens_per_forward']:.2f} tok/fwd",
+                f"{r['speed']:.2f}x stock (geometric mean); same text: {'yes' if r['same'] else 'NO'}",
+            )
+        )
     return rows
 
 
@@ -137,16 +205,26 @@ def ssd_rows(out):
         if not t:
             continue
         n, mb = t["tokens"], t["entry_bytes"] / 1e6
-        rows.append(("ssd-cache restore (pages dropped)", f"{n}-token prompt, {mb:.0f} MB file",
-                     f"TTFT {1e3 * t['restore_dropped_s']:.0f} ms",
-                     f"cold prefill {1e3 * t['cold_prefill_s']:.0f} ms: "
-                     f"{t['cold_prefill_s'] / t['restore_dropped_s']:.1f}x; stock load_prompt_cache "
-                     f"{1e3 * t['stock_dropped_s']:.0f} ms"))
-        rows.append(("ssd-cache restore throughput", f"{n}-token prompt",
-                     f"{mb / t['restore_read_dropped_s']:.0f} MB/s",
-                     f"sequential read {mb / t['read_s']:.0f} MB/s "
-                     f"({t['read_s'] / t['restore_read_dropped_s']:.2f}x); stock load "
-                     f"{t['stock_bytes'] / 1e6 / t['stock_read_dropped_s']:.0f} MB/s"))
+        rows.append(
+            (
+                "ssd-cache restore (pages dropped)",
+                f"{n}-token prompt, {mb:.0f} MB file",
+                f"TTFT {1e3 * t['restore_dropped_s']:.0f} ms",
+                f"cold prefill {1e3 * t['cold_prefill_s']:.0f} ms: "
+                f"{t['cold_prefill_s'] / t['restore_dropped_s']:.1f}x; stock load_prompt_cache "
+                f"{1e3 * t['stock_dropped_s']:.0f} ms",
+            )
+        )
+        rows.append(
+            (
+                "ssd-cache restore throughput",
+                f"{n}-token prompt",
+                f"{mb / t['restore_read_dropped_s']:.0f} MB/s",
+                f"sequential read {mb / t['read_s']:.0f} MB/s "
+                f"({t['read_s'] / t['restore_read_dropped_s']:.2f}x); stock load "
+                f"{t['stock_bytes'] / 1e6 / t['stock_read_dropped_s']:.0f} MB/s",
+            )
+        )
     return rows
 
 
@@ -166,7 +244,9 @@ def main():
     p.add_argument("--ssd-tokens", type=int, nargs="*", default=[4096, 16384])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--drafter-path", default=None, help="a trained assistant drafter to include")
-    p.add_argument("--assistant-args", default="--repeats 3", help="more flags for bench_assistant.py")
+    p.add_argument(
+        "--assistant-args", default="--repeats 3", help="more flags for bench_assistant.py"
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds per child benchmark")
     p.add_argument("--table-only", action="store_true")
     a = p.parse_args()

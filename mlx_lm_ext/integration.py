@@ -250,7 +250,10 @@ def _install_loss(name, args):
             if kw.get("loss") is None:
                 model = kw.get("model", a[0] if a else None)
                 kw["loss"] = loss_for(model)
-            return fn(*a, **kw)
+            try:
+                return fn(*a, **kw)
+            except PluginError as e:  # bad input found on the first batch: exit 2, one line
+                plugins.fail(str(e))
 
         return wrapper
 

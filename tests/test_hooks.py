@@ -154,3 +154,32 @@ def test_no_mlx_lm_attribute_is_assigned_outside_the_ledger():
         if pattern.search(line)
     ]
     assert offenders == []
+
+
+def test_a_plugin_error_while_training_exits_2_in_one_line(host, monkeypatch, capsys):
+    import types
+
+    from mlx_lm_ext import PluginError, integration, patching
+
+    lora = types.ModuleType("mlx_lm.lora")
+
+    def train(model, loss=None):
+        return loss()
+
+    lora.train = lora.evaluate = train
+    monkeypatch.setitem(sys.modules, "mlx_lm.lora", lora)
+
+    def bad_loss():
+        raise PluginError("--budget 1M is below what any path needs")
+
+    monkeypatch.setattr(integration.plugins, "first", lambda *a, **k: bad_loss)
+    integration._install_loss("some-loss", None)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            lora.train(object())
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.strip() == (
+            "mlx-lm-ext: error: --budget 1M is below what any path needs"
+        )
+    finally:
+        patching.undo("lora.loss")

@@ -212,7 +212,9 @@ def linear_cross_entropy(
         )
         cand = _candidate(impl, backend, spec, h, nbytes, opts)
         if cand.limit_mib and _budget.is_async_gpu():
-            _budget.LIMIT.hold(cand.limit_mib * autotune.MIB, 0 if nbytes else _budget.device_floor())
+            _budget.LIMIT.hold(
+                cand.limit_mib * autotune.MIB, 0 if nbytes else _budget.device_floor()
+            )
         ce = run_candidate(cand, spec, h, t, opts, train)
 
     if valid is not None:
@@ -230,14 +232,20 @@ def linear_cross_entropy(
 def _candidate(impl, backend, spec, h, nbytes, opts):
     """The path for a flash call: measured (``backend="auto"``) or the one named."""
     frozen = {"weight": False, "bias": False, "lora": False}
-    tunable = spec.bias is None and not spec.has_lora and opts.filter_eps is None and opts.block_skip_eps is None
+    tunable = (
+        spec.bias is None
+        and not spec.has_lora
+        and opts.filter_eps is None
+        and opts.block_skip_eps is None
+    )
     if backend == "auto" and tunable and not opts.vocab_chunk:
 
         def run(cand, head, x, targets):
             return run_candidate(cand, head, x, targets, opts, frozen)
 
-        return autotune.choose(spec, h.shape[0], h.shape[1], h.dtype, nbytes, opts, run,
-                               include_stock=impl == "auto")
+        return autotune.choose(
+            spec, h.shape[0], h.shape[1], h.dtype, nbytes, opts, run, include_stock=impl == "auto"
+        )
     if backend == "auto":
         backend = next(n for n in backends.available() if backends.supports(n, spec, opts))
     big = backend in ("mlx", "cuda-gemm") and backends.big_blocks(backend, spec, opts)

@@ -124,7 +124,9 @@ def _key(spec, n, h, dtype, nbytes, opts) -> str:
     extra = ""
     if opts.softcap is not None or opts.logit_scale is not None:
         extra = f"|cap{opts.softcap}|scale{opts.logit_scale}"
-    return f"N{bucket(n)}|V{spec.vocab}|H{h}|{_dtype(dtype)}|{head_kind(spec)}|budget{nbytes}{extra}"
+    return (
+        f"N{bucket(n)}|V{spec.vocab}|H{h}|{_dtype(dtype)}|{head_kind(spec)}|budget{nbytes}{extra}"
+    )
 
 
 def _dtype(dtype) -> str:
@@ -157,8 +159,12 @@ def _cached(key: str) -> Optional[Choice]:
     if not entry:
         return None
     if entry.get("mlx") != mx.__version__ or entry.get("device") != device_name():
-        log.debug("flash-cce auto: cached choice for %s is from mlx %s on %s; measuring again",
-                  key, entry.get("mlx"), entry.get("device"))
+        log.debug(
+            "flash-cce auto: cached choice for %s is from mlx %s on %s; measuring again",
+            key,
+            entry.get("mlx"),
+            entry.get("device"),
+        )
         return None
     try:
         cand = Candidate(**entry["candidate"])
@@ -222,10 +228,19 @@ def _synthetic(spec, n, h, dtype, seed=0):
     w = mx.random.normal((spec.vocab, h), key=k2) * h**-0.5
     if spec.kind == "quantized":
         parts = mx.quantize(w, group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
-        head = spec._replace(weight=parts[0], scales=parts[1], biases=parts[2] if len(parts) > 2 else None,
-                             bias=None, lora_a=None, lora_b=None, module=None)
+        head = spec._replace(
+            weight=parts[0],
+            scales=parts[1],
+            biases=parts[2] if len(parts) > 2 else None,
+            bias=None,
+            lora_a=None,
+            lora_b=None,
+            module=None,
+        )
     else:
-        head = spec._replace(weight=w.astype(spec.weight.dtype), bias=None, lora_a=None, lora_b=None, module=None)
+        head = spec._replace(
+            weight=w.astype(spec.weight.dtype), bias=None, lora_a=None, lora_b=None, module=None
+        )
     mx.eval(hidden, targets, _heads.head_arrays(head)[1])
     return hidden, head, targets
 
@@ -274,7 +289,12 @@ def _try(run, cand, hidden, warmup, failed) -> Optional[Result]:
     try:
         return _measure(run, cand, hidden, warmup)
     except Exception as e:  # noqa: BLE001 (out of memory, a kernel that fails to build: drop it)
-        log.debug("flash-cce auto: %s failed in the trial (%s: %s); dropped", cand.label, type(e).__name__, e)
+        log.debug(
+            "flash-cce auto: %s failed in the trial (%s: %s); dropped",
+            cand.label,
+            type(e).__name__,
+            e,
+        )
         failed.append(cand)
         gc.collect()
         mx.clear_cache()
@@ -308,25 +328,40 @@ def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock, strict=Tr
         include_stock = False
         why_not = "MLX's quantized matmul is slow on the CPU, so the stock head is not timed"
     fits_stock = include_stock and stock_bytes(n, spec.vocab, dtype) <= nbytes
-    cands = candidates(spec, n, h, dtype, fits_stock or (include_stock and _stock_reference(n, spec.vocab, dtype)))
+    cands = candidates(
+        spec, n, h, dtype, fits_stock or (include_stock and _stock_reference(n, spec.vocab, dtype))
+    )
     within = [c for c in cands if c.impl != "stock" and floor_bytes(c, n, h, dtype) <= nbytes]
     if fits_stock:
         within.insert(0, Candidate("stock"))
     what = f"[{n} tokens, V={spec.vocab}, H={h}, {_dtype(dtype)}, {head_kind(spec)} head]"
     if not within and not strict:
-        within = [min((c for c in cands if c.impl != "stock"), key=lambda c: floor_bytes(c, n, h, dtype))]
+        within = [
+            min((c for c in cands if c.impl != "stock"), key=lambda c: floor_bytes(c, n, h, dtype))
+        ]
     if not within:
         smallest = min(floor_bytes(c, n, h, dtype) for c in cands if c.impl != "stock")
-        raise PluginError(f"--cce-memory-budget {_budget.format_size(nbytes)} is below what any flash-cce path "
-                          f"needs for a batch of {what}: the smallest is {_budget.format_size(smallest)}")
+        raise PluginError(
+            f"--cce-memory-budget {_budget.format_size(nbytes)} is below what any flash-cce path "
+            f"needs for a batch of {what}: the smallest is {_budget.format_size(smallest)}"
+        )
     if len(within) == 1 and not any(c.impl == "stock" for c in cands):
         only = within[0]
-        line = (f"flash-cce auto: {what}: {only.label} (the only path within the budget "
-                f"{_budget.format_size(nbytes)}; {why_not}; no trial)")
+        line = (
+            f"flash-cce auto: {what}: {only.label} (the only path within the budget "
+            f"{_budget.format_size(nbytes)}; {why_not}; no trial)"
+        )
         return Choice(only, 0.0, 0, line)
     tic = time.perf_counter()
-    results, failed = trial([c for c in cands if c.impl == "stock" or c in within], spec, n, h, dtype, nbytes,
-                            run_choice)
+    results, failed = trial(
+        [c for c in cands if c.impl == "stock" or c in within],
+        spec,
+        n,
+        h,
+        dtype,
+        nbytes,
+        run_choice,
+    )
     spent = time.perf_counter() - tic
     fit = [r for r in results if r.peak <= nbytes]
     if not fit and results and not strict:
@@ -334,26 +369,38 @@ def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock, strict=Tr
     if not fit:
         if not results:  # every candidate failed: the default path, as without a trial
             cand = Candidate("flash", "mlx")
-            log.warning("flash-cce auto: every candidate failed in the trial (%s); using %s",
-                        ", ".join(c.label for c in failed), cand.label)
+            log.warning(
+                "flash-cce auto: every candidate failed in the trial (%s); using %s",
+                ", ".join(c.label for c in failed),
+                cand.label,
+            )
             return Choice(cand, 0.0, 0, "")
         best = min(results, key=lambda r: r.peak)
-        raise PluginError(f"--cce-memory-budget {_budget.format_size(nbytes)} is below what any flash-cce path "
-                          f"needs for a batch of {what}: the smallest measured is "
-                          f"{_budget.format_size(best.peak)} ({best.candidate.label})")
+        raise PluginError(
+            f"--cce-memory-budget {_budget.format_size(nbytes)} is below what any flash-cce path "
+            f"needs for a batch of {what}: the smallest measured is "
+            f"{_budget.format_size(best.peak)} ({best.candidate.label})"
+        )
     win = min(fit, key=lambda r: r.ms)
     stock = next((r for r in results if r.candidate.impl == "stock"), None)
-    tried = ", ".join(f"{r.candidate.label} {r.ms:.1f} ms/{r.peak / MIB:.0f} MiB"
-                      + (" (over budget)" if r.peak > nbytes else "") for r in results)
+    tried = ", ".join(
+        f"{r.candidate.label} {r.ms:.1f} ms/{r.peak / MIB:.0f} MiB"
+        + (" (over budget)" if r.peak > nbytes else "")
+        for r in results
+    )
     tried += "".join(f", {c.label} failed" for c in failed)
-    line = (f"flash-cce auto: {what}, budget {_budget.format_size(nbytes)}: tried {tried}; "
-            f"chose {win.candidate.label} ({win.ms:.1f} ms, {win.peak / MIB:.0f} MiB")
+    line = (
+        f"flash-cce auto: {what}, budget {_budget.format_size(nbytes)}: tried {tried}; "
+        f"chose {win.candidate.label} ({win.ms:.1f} ms, {win.peak / MIB:.0f} MiB"
+    )
     if stock is not None and win.candidate.impl != "stock":
         line += f", {win.ms / stock.ms:.2f}x stock's time"
     line += f"); trial {spent:.1f} s"
     if stock is not None and stock.peak > nbytes and win.ms > 1.5 * stock.ms:
-        line += (f"; nothing within the budget is within 1.5x of stock's {stock.ms:.1f} ms "
-                 "(a larger --cce-memory-budget buys speed)")
+        line += (
+            f"; nothing within the budget is within 1.5x of stock's {stock.ms:.1f} ms "
+            "(a larger --cce-memory-budget buys speed)"
+        )
     return Choice(win.candidate, win.ms, win.peak, line)
 
 
@@ -371,14 +418,27 @@ def _group():
 def _encode(cand: Optional[Candidate]) -> list:
     if cand is None:
         return [-1, 0, 0, 0, 0, 0]
-    return [int(cand.impl == "flash"), _BACKENDS.index(cand.backend), cand.token_chunk, cand.vocab_chunk,
-            cand.limit_mib, int(cand.last_resort)]
+    return [
+        int(cand.impl == "flash"),
+        _BACKENDS.index(cand.backend),
+        cand.token_chunk,
+        cand.vocab_chunk,
+        cand.limit_mib,
+        int(cand.last_resort),
+    ]
 
 
 def _decode(code: list) -> Optional[Candidate]:
     if code[0] < 0:
         return None
-    return Candidate("flash" if code[0] else "stock", _BACKENDS[code[1]], code[2], code[3], code[4], bool(code[5]))
+    return Candidate(
+        "flash" if code[0] else "stock",
+        _BACKENDS[code[1]],
+        code[2],
+        code[3],
+        code[4],
+        bool(code[5]),
+    )
 
 
 def _agree(group, cand: Optional[Candidate]) -> Optional[Candidate]:
@@ -430,16 +490,30 @@ def choose(spec, n, h, dtype, nbytes, opts, run_choice, include_stock=True) -> C
             else:
                 if choice.line:
                     log.info(choice.line)
-                    _save_cache(key, {"candidate": choice.candidate._asdict(), "ms": choice.ms,
-                                      "peak": choice.peak, "line": choice.line, "mlx": mx.__version__,
-                                      "device": device_name()})
+                    _save_cache(
+                        key,
+                        {
+                            "candidate": choice.candidate._asdict(),
+                            "ms": choice.ms,
+                            "peak": choice.peak,
+                            "line": choice.line,
+                            "mlx": mx.__version__,
+                            "device": device_name(),
+                        },
+                    )
         else:
-            log.info("%s (cached)", choice.line.split("; trial")[0] if choice.line else choice.candidate.label)
+            log.info(
+                "%s (cached)",
+                choice.line.split("; trial")[0] if choice.line else choice.candidate.label,
+            )
     if group is not None:
         agreed = _agree(group, choice.candidate if choice is not None and error is None else None)
         if agreed is None:
-            raise error if error is not None else PluginError(
-                "flash-cce auto: rank 0 found no path within the memory budget")
+            raise (
+                error
+                if error is not None
+                else PluginError("flash-cce auto: rank 0 found no path within the memory budget")
+            )
         _DP.append(agreed)
         choice = Choice(agreed, 0.0, 0, "")
     elif error is not None:

@@ -26,7 +26,9 @@ BIG_BLOCK = 1 << 22  # token_chunk x vocab_chunk from which a GPU takes the one-
 _REGISTRY = {}
 
 
-def register(name, per_token, *, available=lambda: True, priority=0, supports=lambda head, opts: True):
+def register(
+    name, per_token, *, available=lambda: True, priority=0, supports=lambda head, opts: True
+):
     """Add a backend; ``supports(head, opts)`` can decline some heads/options."""
     _REGISTRY[name] = {
         "per_token": per_token,
@@ -102,5 +104,10 @@ register("mlx", mlx_per_token, priority=0)
 register("cuda", cuda.per_token, available=cuda.available, priority=10, supports=cuda.supports)
 # Big cuBLAS blocks (``cuda_gemm``): runs anywhere; ``auto`` reaches it
 # through its trial (``autotune``), never by priority.
-register("cuda-gemm", cuda_gemm.per_token, available=cuda_gemm.available, priority=-1,
-         supports=cuda_gemm.supports)
+register(
+    "cuda-gemm",
+    cuda_gemm.per_token,
+    available=cuda_gemm.available,
+    priority=-1,
+    supports=cuda_gemm.supports,
+)

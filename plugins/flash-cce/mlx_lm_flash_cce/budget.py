@@ -69,8 +69,12 @@ def device_floor() -> int:
         info = mx.device_info()
     except Exception:  # noqa: BLE001
         return 0
-    total = (info.get("max_recommended_working_set_size") or info.get("memory_size")
-             or info.get("total_memory") or 0)
+    total = (
+        info.get("max_recommended_working_set_size")
+        or info.get("memory_size")
+        or info.get("total_memory")
+        or 0
+    )
     return int(DEVICE_SHARE * total)
 
 
@@ -80,8 +84,10 @@ def resolve(budget) -> Optional[int]:
         return None
     nbytes = parse_size(budget)
     if nbytes < MIN_BUDGET:
-        raise ValueError(f"memory budget {budget!r} is below what any flash-cce path needs "
-                         f"(at least {format_size(MIN_BUDGET)})")
+        raise ValueError(
+            f"memory budget {budget!r} is below what any flash-cce path needs "
+            f"(at least {format_size(MIN_BUDGET)})"
+        )
     return nbytes
 
 

@@ -28,7 +28,7 @@ This module imports on any MLX; the kernels are built on first use, and
 
 import logging
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -224,15 +224,28 @@ def backward(cfg, h, t, lse, dce, vals):
 def _weight_grad(cfg, h, t, lse, dce, weight):
     """Dense head-weight gradient through the pure-MLX sweep (lazy)."""
     n_tok = h.shape[0]
-    st = portable._Static(
-        kind="dense", names=("weight",), group_size=0, bits=0, mode="affine", has_lora=False,
-        train_weight=True, train_bias=False, train_lora=False,
-        softcap=cfg.softcap or None, logit_scale=None if cfg.scale == 1.0 else cfg.scale,
-        token_chunk=min(n_tok, 4096), vocab_chunk=min(weight.shape[0], 4096), with_grad=False,
-        filter_eps=None, block_skip_eps=None, compute_dtype=h.dtype, dequantize=False,
+    st = portable.Static(
+        kind="dense",
+        names=("weight",),
+        group_size=0,
+        bits=0,
+        mode="affine",
+        has_lora=False,
+        train_weight=True,
+        train_bias=False,
+        train_lora=False,
+        softcap=cfg.softcap or None,
+        logit_scale=None if cfg.scale == 1.0 else cfg.scale,
+        token_chunk=min(n_tok, 4096),
+        vocab_chunk=min(weight.shape[0], 4096),
+        with_grad=False,
+        filter_eps=None,
+        block_skip_eps=None,
+        compute_dtype=h.dtype,
+        dequantize=False,
     )
     u = mx.zeros((n_tok, 0), dtype=h.dtype)
-    _, _, dhead = portable._sweep(st, h, t, u, {"weight": weight}, lse, dce, need_dh=False)
+    _, _, dhead = portable.sweep(st, h, t, u, {"weight": weight}, lse, dce, need_dh=False)
     return dhead.astype(weight.dtype)
 
 
@@ -288,4 +301,9 @@ def plan(head, hidden, train=None):
     """``"cuda"`` or the reason for the pure-MLX fallback (for tests and logs)."""
     if not available():
         return "no CUDA GPU as the default device"
-    return unsupported(_heads.as_head(head) if not isinstance(head, _heads.Head) else head, hidden, train) or "cuda"
+    return (
+        unsupported(
+            _heads.as_head(head) if not isinstance(head, _heads.Head) else head, hidden, train
+        )
+        or "cuda"
+    )

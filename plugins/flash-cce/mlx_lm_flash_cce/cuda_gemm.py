@@ -59,11 +59,14 @@ NEG_INF_BITS = "0xff800000"
 # One thread block per token row of a [rows, cols] logit block: max, then
 # exp / sum / P in a second read (the row is in L2 by then). Vectorized by
 # 16 bytes when the row length allows; scalar otherwise.
-ROW_HEADER = """
+ROW_HEADER = (
+    """
 namespace cce_rows {
 constexpr int NT = 256;
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(""" + NEG_INF_BITS + """); }
+__device__ __forceinline__ float neg_inf() { return __int_as_float("""
+    + NEG_INF_BITS
+    + """); }
 
 // scaled, soft-capped logit and d logit / d raw (scale <= 0 means none, cap <= 0 none)
 __device__ __forceinline__ float capped(float r, float scale, float cap, float* dz) {
@@ -160,6 +163,7 @@ __device__ void online_step(const T* z, const float* m, const float* l, const fl
 }
 }  // namespace cce_rows
 """
+)
 
 ROW_BODY = "cce_rows::online_step<T>(z, m, l, prm, z_shape[1], p, m_out, a_out, l_out);"
 
@@ -209,22 +213,29 @@ class Config(NamedTuple):
 
 def _row_kernel():
     if not _ROW_KERNEL:
-        _ROW_KERNEL.append(mx.fast.cuda_kernel(
-            name="flash_cce_online_rows",
-            input_names=["z", "m", "l", "prm"],
-            output_names=["p", "m_out", "a_out", "l_out"],
-            source=ROW_BODY,
-            header=ROW_HEADER,
-            ensure_row_contiguous=True,
-        ))
+        _ROW_KERNEL.append(
+            mx.fast.cuda_kernel(
+                name="flash_cce_online_rows",
+                input_names=["z", "m", "l", "prm"],
+                output_names=["p", "m_out", "a_out", "l_out"],
+                source=ROW_BODY,
+                header=ROW_HEADER,
+                ensure_row_contiguous=True,
+            )
+        )
     return _ROW_KERNEL[0]
 
 
 def kernel_step(z, m, l, softcap=None, logit_scale=None):
     """The CUDA row kernel: ``(z, m, l) -> (m', a, l', P)`` with ``P`` in ``z``'s dtype."""
     rows = z.shape[0]
-    prm = mx.array([1.0 if logit_scale is None else float(logit_scale), 0.0 if softcap is None else float(softcap)],
-                   dtype=mx.float32)
+    prm = mx.array(
+        [
+            1.0 if logit_scale is None else float(logit_scale),
+            0.0 if softcap is None else float(softcap),
+        ],
+        dtype=mx.float32,
+    )
     p, m_new, a, l_new = _row_kernel()(
         inputs=[z, m, l, prm],
         template=[("T", z.dtype)],
@@ -251,8 +262,13 @@ def mlx_step(cfg, lean=True):
     element) and ``lean=False`` use the pure-MLX backend's float32 step.
     """
     scale = cfg.logit_scale
-    if not lean or cfg.softcap is not None or (scale is not None and scale <= 0) or not cfg.with_grad:
-        return portable._online_step(cfg, float32_in=True)
+    if (
+        not lean
+        or cfg.softcap is not None
+        or (scale is not None and scale <= 0)
+        or not cfg.with_grad
+    ):
+        return portable.online_step(cfg, float32_in=True)
     key = ("lean", scale)
     if key not in _LEAN:
 
@@ -336,7 +352,7 @@ def _forward(cfg, h, t, arrays):
         # compute dtype) and its head row, without [Tc, H] float32 temporaries.
         wt = _heads.gather_rows(head, arrays, t[n0:n1], cd)
         rt = (hc[:, None, :] @ wt[:, :, None])[:, 0, 0].astype(mx.float32)
-        zt, dzt = portable._cap(rt, cfg)
+        zt, dzt = portable.cap(rt, cfg)
         ces.append(lse - zt)
         lses.append(lse)
         if cfg.with_grad:
@@ -355,12 +371,25 @@ def _forward(cfg, h, t, arrays):
 
 def _static(cfg, train_weight, with_grad):
     """The pure-MLX sweep's configuration with this backend's blocks."""
-    return portable._Static(
-        kind=cfg.kind, names=cfg.names, group_size=cfg.group_size, bits=cfg.bits, mode=cfg.mode,
-        has_lora=False, train_weight=train_weight, train_bias=False, train_lora=False,
-        softcap=cfg.softcap, logit_scale=cfg.logit_scale, token_chunk=cfg.token_chunk,
-        vocab_chunk=cfg.vocab_chunk, with_grad=with_grad, filter_eps=None, block_skip_eps=None,
-        compute_dtype=cfg.compute_dtype, dequantize=True,
+    return portable.Static(
+        kind=cfg.kind,
+        names=cfg.names,
+        group_size=cfg.group_size,
+        bits=cfg.bits,
+        mode=cfg.mode,
+        has_lora=False,
+        train_weight=train_weight,
+        train_bias=False,
+        train_lora=False,
+        softcap=cfg.softcap,
+        logit_scale=cfg.logit_scale,
+        token_chunk=cfg.token_chunk,
+        vocab_chunk=cfg.vocab_chunk,
+        with_grad=with_grad,
+        filter_eps=None,
+        block_skip_eps=None,
+        compute_dtype=cfg.compute_dtype,
+        dequantize=True,
     )
 
 
@@ -373,27 +402,38 @@ def _core(cfg):
 
     @mx.custom_function
     def core(h, t, *values):
-        return tuple(_forward(cfg, h, t, dict(zip(cfg.names, values))))
+        return tuple(_forward(cfg, h, t, dict(zip(cfg.names, values, strict=False))))
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
         h, t, *values = primals
-        arrays = dict(zip(cfg.names, values))
+        arrays = dict(zip(cfg.names, values, strict=False))
         dce = cotangents[0]
         u = mx.zeros((h.shape[0], 0), dtype=h.dtype)
         dhead = None
         if cfg.with_grad:
             dh = (dce[:, None].astype(mx.float32) * outputs[2]).astype(h.dtype)
             if cfg.train_weight:
-                _, _, dhead = portable._sweep(_static(cfg, True, False), h, t, u, arrays, outputs[1], dce,
-                                              need_dh=False)
+                _, _, dhead = portable.sweep(
+                    _static(cfg, True, False), h, t, u, arrays, outputs[1], dce, need_dh=False
+                )
         else:
-            dh, _, dhead = portable._sweep(_static(cfg, cfg.train_weight, False), h, t, u, arrays, outputs[1],
-                                           dce, need_dh=True)
+            dh, _, dhead = portable.sweep(
+                _static(cfg, cfg.train_weight, False),
+                h,
+                t,
+                u,
+                arrays,
+                outputs[1],
+                dce,
+                need_dh=True,
+            )
             dh = dh.astype(h.dtype)
         grads = [dh, mx.zeros_like(t)]
         for i, v in enumerate(values):
-            grads.append(dhead.astype(v.dtype) if i == 0 and dhead is not None else mx.zeros_like(v))
+            grads.append(
+                dhead.astype(v.dtype) if i == 0 and dhead is not None else mx.zeros_like(v)
+            )
         return tuple(grads)
 
     _CORES[cfg] = core
@@ -418,27 +458,43 @@ def use_kernel(opts, dtype):
         return False
     ok = on_cuda() and dtype in (mx.bfloat16, mx.float16, mx.float32)
     if how == "kernel" and not ok:
-        raise ValueError("elementwise='kernel' needs MLX's CUDA backend with a GPU as the default device")
+        raise ValueError(
+            "elementwise='kernel' needs MLX's CUDA backend with a GPU as the default device"
+        )
     return ok
 
 
 def per_token(head, hidden, targets, opts, train=None):
     """Backend entry (see ``backends``): big cuBLAS blocks, or the pure-MLX path."""
     if not supports(head, opts):
-        log.debug("flash-cce cuda-gemm backend: %s head%s; using the pure-MLX path", head.kind,
-                  " with bias or LoRA" if head.kind != "module" else "")
+        log.debug(
+            "flash-cce cuda-gemm backend: %s head%s; using the pure-MLX path",
+            head.kind,
+            " with bias or LoRA" if head.kind != "module" else "",
+        )
         return portable.per_token(head, hidden, targets, opts, train)
     if opts.filter_eps is not None or opts.block_skip_eps is not None:
-        log.debug("flash-cce cuda-gemm backend: gradient filters are not supported; using the pure-MLX path")
+        log.debug(
+            "flash-cce cuda-gemm backend: gradient filters are not supported; using the pure-MLX path"
+        )
         return portable.per_token(head, hidden, targets, opts, train)
     names, values = _heads.head_arrays(head)
     nc, vc = blocks(opts, hidden.shape[0], head.vocab)
-    cd = portable._compute_dtype(opts, hidden.dtype)
+    cd = portable.compute_dtype(opts, hidden.dtype)
     train = train or {}
     cfg = Config(
-        kind=head.kind, names=tuple(names), group_size=head.group_size, bits=head.bits, mode=head.mode,
-        softcap=opts.softcap, logit_scale=opts.logit_scale, token_chunk=nc, vocab_chunk=vc,
-        with_grad=opts.with_grad, compute_dtype=cd, kernel=opts.with_grad and use_kernel(opts, cd),
+        kind=head.kind,
+        names=tuple(names),
+        group_size=head.group_size,
+        bits=head.bits,
+        mode=head.mode,
+        softcap=opts.softcap,
+        logit_scale=opts.logit_scale,
+        token_chunk=nc,
+        vocab_chunk=vc,
+        with_grad=opts.with_grad,
+        compute_dtype=cd,
+        kernel=opts.with_grad and use_kernel(opts, cd),
         train_weight=head.kind == "dense" and bool(train.get("weight", True)),
         lean=getattr(opts, "elementwise", None) != "mlx-f32",
     )

@@ -81,7 +81,9 @@ def as_head(head):
     """Normalise ``head`` into a ``Head``; raise ``TypeError`` for nonsense."""
     if isinstance(head, mx.array):
         if head.ndim != 2:
-            raise ValueError(f"a head weight must be [vocab, hidden], got shape {tuple(head.shape)}")
+            raise ValueError(
+                f"a head weight must be [vocab, hidden], got shape {tuple(head.shape)}"
+            )
         return Head(kind="dense", weight=head, vocab=head.shape[0])
 
     module = head
@@ -155,8 +157,14 @@ def matmul_rows(head, x, arrays, start=None, stop=None, transpose=True):
         scales = arrays["scales"][start:stop]
         biases = arrays["biases"][start:stop] if "biases" in arrays else None
         return qmm.quantized_matmul(
-            x, w, scales, biases, transpose=transpose,
-            group_size=head.group_size, bits=head.bits, mode=head.mode,
+            x,
+            w,
+            scales,
+            biases,
+            transpose=transpose,
+            group_size=head.group_size,
+            bits=head.bits,
+            mode=head.mode,
         )
     w = w.astype(x.dtype)
     return x @ w.T if transpose else x @ w
@@ -167,8 +175,12 @@ def gather_rows(head, arrays, index, dtype):
     if head.quantized:
         biases = arrays["biases"][index] if "biases" in arrays else None
         rows = mx.dequantize(
-            arrays["weight"][index], arrays["scales"][index], biases,
-            group_size=head.group_size, bits=head.bits, mode=head.mode,
+            arrays["weight"][index],
+            arrays["scales"][index],
+            biases,
+            group_size=head.group_size,
+            bits=head.bits,
+            mode=head.mode,
         )
         return rows.astype(dtype)
     return arrays["weight"][index].astype(dtype)
@@ -179,7 +191,7 @@ def full_logits(head, hidden):
     if head.kind == "module":
         return head.module(hidden)
     names, values = head_arrays(head)
-    arrays = dict(zip(names, values))
+    arrays = dict(zip(names, values, strict=False))
     out = matmul_rows(head, hidden, arrays)
     if head.bias is not None:
         out = out + head.bias.astype(out.dtype)

@@ -11,10 +11,11 @@ a warning, so a wrong guess costs memory, never correctness.
 """
 
 import logging
-from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from mlx_lm_ext import backbone
 
 from . import api
 
@@ -23,63 +24,10 @@ log = logging.getLogger("mlx_lm_flash_cce")
 CHECK_TOKENS = 12
 
 
-class Arch(NamedTuple):
-    hidden: Callable  # (model, inputs [B, T]) -> hidden states [B, T, H]
-    head: Callable  # model -> head (module, as_linear method, or array)
-    softcap: Callable = lambda model: None
-    logit_scale: Callable = lambda model: None
-
-
-def _inner(model, inputs):
-    return model.model(inputs)
-
-
-def _lm_head_or_embedding(model):
-    # An untied model keeps `lm_head`; tied ones (llama/qwen default,
-    # gemma3_text after sanitize) have none and reuse the input embedding.
-    if "lm_head" in model and not getattr(model, "tie_word_embeddings", False):
-        return model.lm_head
-    return model.model.embed_tokens.as_linear
-
-
-STANDARD = Arch(hidden=_inner, head=_lm_head_or_embedding)
-
-ARCHS = {
-    "llama": STANDARD,  # also mistral (mlx-lm remaps it to llama)
-    "qwen2": STANDARD,
-    "qwen3": STANDARD,
-    "phi3": STANDARD,
-    "gemma3_text": STANDARD,
-    "gemma2": Arch(
-        hidden=_inner,
-        head=lambda m: m.model.embed_tokens.as_linear,
-        softcap=lambda m: float(m.final_logit_softcapping),
-    ),
-    "gpt2": Arch(hidden=_inner, head=lambda m: m.model.wte.as_linear),
-    "cohere": Arch(
-        hidden=_inner,
-        head=lambda m: m.model.embed_tokens.as_linear,
-        logit_scale=lambda m: float(m.model.args.logit_scale),
-    ),
-    "granite": Arch(
-        hidden=_inner,
-        head=_lm_head_or_embedding,
-        logit_scale=lambda m: 1.0 / float(m.logits_scaling),
-    ),
-}
-
-
-def arch_name(model):
-    """The mlx-lm model module a model comes from (``mlx_lm.models.llama`` -> llama)."""
-    return type(model).__module__.rsplit(".", 1)[-1]
-
-
-def resolve(model):
-    """``(name, Arch)`` for ``model``: its registry entry or the generic rule."""
-    name = arch_name(model)
-    if name in ARCHS:
-        return name, ARCHS[name]
-    return "generic", STANDARD
+# The decomposition is the host's (``mlx_lm_ext.backbone``), shared with the
+# drafters that read hidden states; re-exported for this package's users.
+Arch, ARCHS, STANDARD = backbone.Arch, backbone.ARCHS, backbone.STANDARD
+arch_name, resolve = backbone.arch_name, backbone.resolve
 
 
 def stock_loss(model, batch, lengths):
@@ -112,8 +60,14 @@ def self_check(model, arch, options):
         if flash_opts.get("backend", "auto") == "auto":
             flash_opts["backend"] = "mlx"  # checks the decomposition; no trial on a 12-token input
         got = api.linear_cross_entropy(
-            hidden, head, targets, softcap=softcap, logit_scale=scale,
-            reduction="none", impl="flash" if _sliceable(head) else "chunked", **flash_opts,
+            hidden,
+            head,
+            targets,
+            softcap=softcap,
+            logit_scale=scale,
+            reduction="none",
+            impl="flash" if _sliceable(head) else "chunked",
+            **flash_opts,
         )
         err = mx.max(mx.abs(got - want) / mx.maximum(mx.abs(want), 1.0)).item()
     except Exception as e:  # a registry entry that does not fit this model
@@ -123,7 +77,11 @@ def self_check(model, arch, options):
     half = logits.dtype != mx.float32 or hidden.dtype != mx.float32
     tol = 5e-2 if half else 1e-3
     if not err <= tol:  # also catches NaN
-        return False, err, f"per-token loss differs from the model's own by {err:.3g} (tolerance {tol:g})"
+        return (
+            False,
+            err,
+            f"per-token loss differs from the model's own by {err:.3g} (tolerance {tol:g})",
+        )
     return True, err, f"matches the model's logits (max relative error {err:.2g})"
 
 
@@ -151,7 +109,10 @@ def make_loss(model, *, check=True, verbose=True, **options):
         if not ok:
             log.warning(
                 "flash-cce: %s model (%s) does not fit the %s rule: %s; using mlx-lm's stock loss",
-                name, type(model).__name__, "registry" if name != "generic" else "generic", message,
+                name,
+                type(model).__name__,
+                "registry" if name != "generic" else "generic",
+                message,
             )
             stock_loss.flash, stock_loss.arch, stock_loss.check = False, name, message
             return stock_loss
@@ -168,9 +129,14 @@ def make_loss(model, *, check=True, verbose=True, **options):
         # Loss-only calls (mlx-lm's evaluate runs in eval mode) skip the
         # gradient half of the pass; training computes it in the same sweep.
         ce = api.linear_cross_entropy(
-            hidden, arch.head(model), targets,
-            softcap=arch.softcap(model), logit_scale=arch.logit_scale(model),
-            reduction="none", with_grad=model.training, **options,
+            hidden,
+            arch.head(model),
+            targets,
+            softcap=arch.softcap(model),
+            logit_scale=arch.logit_scale(model),
+            reduction="none",
+            with_grad=model.training,
+            **options,
         )
         if verbose and not said and model.training:
             said.append(True)
@@ -182,7 +148,9 @@ def make_loss(model, *, check=True, verbose=True, **options):
 
     loss.flash, loss.arch, loss.check = True, name, message
     if verbose:
-        print(f"flash-cce: {name} model, loss from hidden states and head; self-check: {message}", flush=True)
+        log.info(
+            "flash-cce: %s model, loss from hidden states and head; self-check: %s", name, message
+        )
     return loss
 
 
@@ -204,22 +172,29 @@ def _report(name, hidden, head, targets, options):
     how = f"works in [{nc}, {vc}] float32 blocks ({nc * vc * 4 / 2**20:.1f} MiB each)"
     backend = options.get("backend", "auto")
     if backend == "auto" and options.get("impl", "auto") in ("auto", "flash"):
-        how = "runs the fastest path within the memory budget (the 'flash-cce auto' line says which)"
+        how = (
+            "runs the fastest path within the memory budget (the 'flash-cce auto' line says which)"
+        )
     elif backend == "cuda":
         from . import cuda
 
         plan = cuda.plan(head, hidden.reshape(-1, hidden.shape[-1]))
-        how = "runs fused CUDA kernels" if plan == "cuda" else f"runs the pure-MLX path ({plan}) in [{nc}, {vc}] blocks"
+        how = (
+            "runs fused CUDA kernels"
+            if plan == "cuda"
+            else f"runs the pure-MLX path ({plan}) in [{nc}, {vc}] blocks"
+        )
     elif backend == "cuda-gemm" or backend == "mlx" and mx.default_device() == mx.gpu:
         from . import backends, cuda_gemm
 
         if backend == "mlx" and not opts.vocab_chunk:
-            opts = opts._replace(token_chunk=backends.GPU_TOKEN_CHUNK, vocab_chunk=backends.GPU_VOCAB_CHUNK)
+            opts = opts._replace(
+                token_chunk=backends.GPU_TOKEN_CHUNK, vocab_chunk=backends.GPU_VOCAB_CHUNK
+            )
         nc, vc = cuda_gemm.blocks(opts, n_tok, vocab)
         how = f"runs one pass in [{nc}, {vc}] blocks ({backend} backend)"
-    print(
+    log.info(
         f"flash-cce: batch of {n_tok} tokens x {vocab} vocab: the stock loss holds "
         f"[{n_tok}, {vocab}] logits and their gradient ({2 * logit_bytes / 2**20:.0f} MiB and up); "
-        f"flash-cce {how}",
-        flush=True,
+        f"flash-cce {how}"
     )

@@ -38,8 +38,6 @@ DEFAULTS = {
 log = logging.getLogger("mlx_lm_flash_cce")
 _handler = []
 
-_options = {}
-
 
 @hookimpl
 def commands():
@@ -50,28 +48,69 @@ def commands():
 def add_arguments(command, group):
     if command != "lora":
         return
-    group.add_argument("--cce-impl", choices=("auto", "flash", "stock", "chunked"), default=None,
-                       help="auto: stock-style head for short batches, flash otherwise (default auto)")
-    group.add_argument("--cce-backend", default=None, metavar="NAME",
-                       help="loss backend: auto or a registered name, e.g. mlx (default auto)")
-    group.add_argument("--cce-token-chunk", type=int, default=None, metavar="N",
-                       help="tokens per pass over the vocabulary (default 256)")
-    group.add_argument("--cce-vocab-chunk", type=int, default=None, metavar="N",
-                       help="vocabulary rows per block (default: 2**18 / token chunk)")
-    group.add_argument("--cce-filter-eps", type=float, default=None, metavar="EPS",
-                       help="approximate gradient: skip 64x64 tiles whose softmax coefficients are all "
-                            "below EPS (dense heads; default off, see the README's measurement)")
-    group.add_argument("--cce-block-skip-eps", type=float, default=None, metavar="EPS",
-                       help="approximate gradient: skip 64-wide vocabulary blocks whose probabilities "
-                            "are all below EPS (dense heads; default off)")
-    group.add_argument("--cce-crossover", type=int, default=None, metavar="ELEMENTS",
-                       help="use the stock-style head below this many logits per batch (tokens x vocab)")
-    group.add_argument("--cce-no-check", action="store_true", default=None,
-                       help="skip the one-time check against the model's own logits")
-    group.add_argument("--cce-memory-budget", default=None, metavar="SIZE",
-                       help="most working memory the loss head may use above its inputs, e.g. 512M or 2G; "
-                            "the auto backend keeps the fastest path within it (default: half of what "
-                            "the stock loss would hold, at most 2G)")
+    group.add_argument(
+        "--cce-impl",
+        choices=("auto", "flash", "stock", "chunked"),
+        default=None,
+        help="auto: stock-style head for short batches, flash otherwise (default auto)",
+    )
+    group.add_argument(
+        "--cce-backend",
+        default=None,
+        metavar="NAME",
+        help="loss backend: auto or a registered name, e.g. mlx (default auto)",
+    )
+    group.add_argument(
+        "--cce-token-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per pass over the vocabulary (default 256)",
+    )
+    group.add_argument(
+        "--cce-vocab-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vocabulary rows per block (default: 2**18 / token chunk)",
+    )
+    group.add_argument(
+        "--cce-filter-eps",
+        type=float,
+        default=None,
+        metavar="EPS",
+        help="approximate gradient: skip 64x64 tiles whose softmax coefficients are all "
+        "below EPS (dense heads; default off, see the README's measurement)",
+    )
+    group.add_argument(
+        "--cce-block-skip-eps",
+        type=float,
+        default=None,
+        metavar="EPS",
+        help="approximate gradient: skip 64-wide vocabulary blocks whose probabilities "
+        "are all below EPS (dense heads; default off)",
+    )
+    group.add_argument(
+        "--cce-crossover",
+        type=int,
+        default=None,
+        metavar="ELEMENTS",
+        help="use the stock-style head below this many logits per batch (tokens x vocab)",
+    )
+    group.add_argument(
+        "--cce-no-check",
+        action="store_true",
+        default=None,
+        help="skip the one-time check against the model's own logits",
+    )
+    group.add_argument(
+        "--cce-memory-budget",
+        default=None,
+        metavar="SIZE",
+        help="most working memory the loss head may use above its inputs, e.g. 512M or 2G; "
+        "the auto backend keeps the fastest path within it (default: half of what "
+        "the stock loss would hold, at most 2G)",
+    )
 
 
 def options_from(args):
@@ -79,8 +118,12 @@ def options_from(args):
     get = lambda key: DEFAULTS[key] if getattr(args, key, None) is None else getattr(args, key)
     for key in ("cce_token_chunk", "cce_vocab_chunk", "cce_crossover"):
         value = get(key)
-        if value is not None and (not isinstance(value, int) or value < 0 or (key == "cce_token_chunk" and value == 0)):
-            raise PluginError(f"--{key.replace('_', '-')} must be a positive integer, got {value!r}")
+        if value is not None and (
+            not isinstance(value, int) or value < 0 or (key == "cce_token_chunk" and value == 0)
+        ):
+            raise PluginError(
+                f"--{key.replace('_', '-')} must be a positive integer, got {value!r}"
+            )
     for key in ("cce_filter_eps", "cce_block_skip_eps"):
         value = get(key)
         if value is not None and not (0 < value < 1):
@@ -97,7 +140,9 @@ def options_from(args):
         raise PluginError(f"--cce-memory-budget: {e}") from None
     backend = get("cce_backend")
     if backend != "auto" and backend not in backends.available():
-        raise PluginError(f"--cce-backend {backend!r} is not available here (have: {', '.join(backends.available())})")
+        raise PluginError(
+            f"--cce-backend {backend!r} is not available here (have: {', '.join(backends.available())})"
+        )
     return {
         "impl": impl,
         "backend": backend,
@@ -113,8 +158,7 @@ def options_from(args):
 
 @hookimpl
 def activate(command, args):
-    _options.clear()
-    _options.update(options_from(args if args is not None else argparse.Namespace()))
+    options = options_from(args if args is not None else argparse.Namespace())
     if command == "lora" and not log.handlers:
         # mlx_lm.lora configures no logging: show the auto backend's one line.
         handler = logging.StreamHandler()
@@ -122,37 +166,27 @@ def activate(command, args):
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         _handler.append(handler)
+    return options  # validated: handed back to make_loss
 
 
 @hookimpl
 def deactivate():
     from . import budget
 
-    _options.clear()
     budget.LIMIT.release()  # the memory limit a GPU path held during training
     while _handler:
         log.removeHandler(_handler.pop())
 
 
 @hookimpl
-def make_loss(name, model, args):
+def make_loss(name, model, args, options):
     if name != NAME:
         return None
     from .loss import make_loss as build
 
-    options = dict(_options) if _options else options_from(args)
-    fn = build(model, **options)
-
-    def loss(model, batch, lengths):
-        try:
-            return fn(model, batch, lengths)
-        except PluginError as e:  # e.g. a memory budget no path fits: bad input, exit 2
-            from mlx_lm_ext import plugins
-
-            plugins.fail(str(e))
-
-    loss.flash, loss.arch, loss.check = fn.flash, fn.arch, fn.check
-    return loss
+    # A PluginError raised on the first batch (a memory budget no path fits)
+    # reaches the host, which exits 2 with its message.
+    return build(model, **(options if options is not None else options_from(args)))
 
 
 @hookimpl
@@ -166,10 +200,12 @@ def doctor():
         result = qmm.probe()
         worst = max(result["rows"].values())
         verdict = "BUG: wrong values (flash-cce pads these to 4 rows)" if result["buggy"] else "ok"
-        lines.append((
-            "quantized_matmul M=2,3",
-            f"{verdict} on {result['device']} (max rel. error {worst:.1e}, mlx {mx.__version__})",
-        ))
+        lines.append(
+            (
+                "quantized_matmul M=2,3",
+                f"{verdict} on {result['device']} (max rel. error {worst:.1e}, mlx {mx.__version__})",
+            )
+        )
     except Exception as e:  # the probe must never break doctor
         lines.append(("quantized_matmul M=2,3", f"probe failed: {e!r}"))
     return lines

@@ -49,7 +49,7 @@ class Options(NamedTuple):
     elementwise: Optional[str] = None  # cuda-gemm backend: "kernel", "mlx" or None (auto)
 
 
-class _Static(NamedTuple):
+class Static(NamedTuple):
     """Everything the traced function depends on besides its array inputs."""
 
     kind: str
@@ -82,7 +82,7 @@ def vocab_chunk_for(opts, n_tokens, vocab):
     return token_chunk, min(vc, vocab)
 
 
-def _compute_dtype(opts, dtype):
+def compute_dtype(opts, dtype):
     if opts.compute_dtype is not None:
         return opts.compute_dtype
     # The CPU has no fast half-precision matmul (and reduces in the input
@@ -92,7 +92,7 @@ def _compute_dtype(opts, dtype):
     return dtype
 
 
-def _cap(r, st):
+def cap(r, st):
     """Scaled, soft-capped logits of raw ``r`` and ``d logits / d r`` (None: 1)."""
     z, dz = r, None
     if st.logit_scale is not None:
@@ -109,7 +109,7 @@ def _cap(r, st):
 _STEPS = {}
 
 
-def _online_step(st, float32_in=False):
+def online_step(st, float32_in=False):
     """Compiled block update ``(r, m, l) -> (m', a, l', coef)``.
 
     ``r`` are a block's raw logits; ``m``, ``l`` the running max and sum;
@@ -124,7 +124,7 @@ def _online_step(st, float32_in=False):
     if key not in _STEPS:
 
         def step(r, m, l):
-            z, dz = _cap(r.astype(mx.float32) if float32_in else r, st)
+            z, dz = cap(r.astype(mx.float32) if float32_in else r, st)
             m_new = mx.maximum(m, z.max(axis=1))
             a = mx.exp(m - m_new)
             e = mx.exp(z - m_new[:, None])
@@ -144,7 +144,7 @@ def _grad_coef(st):
     if key not in _STEPS:
 
         def coef(r, lse, dce, shifted):
-            z, dz = _cap(r, st)
+            z, dz = cap(r, st)
             onehot = shifted[:, None] == mx.arange(r.shape[1])[None, :]
             c = _times(mx.exp(z - lse[:, None]) - onehot, dz)
             return c * dce[:, None], mx.abs(c)
@@ -229,10 +229,14 @@ def _back_rows(st, arrays, blk, coef, v0, v1, probe):
     cd = st.compute_dtype
     mask = _filter_mask(probe, st) if blk is not None and probe is not None else None
     if mask is not None:
-        return mx.block_masked_mm(coef.astype(cd), blk, FILTER_BLOCK, mask_lhs=mask).astype(mx.float32)
+        return mx.block_masked_mm(coef.astype(cd), blk, FILTER_BLOCK, mask_lhs=mask).astype(
+            mx.float32
+        )
     if blk is not None:
         return (coef.astype(cd) @ blk).astype(mx.float32)
-    return _heads.matmul_rows(_head(st), coef.astype(cd), arrays, v0, v1, transpose=False).astype(mx.float32)
+    return _heads.matmul_rows(_head(st), coef.astype(cd), arrays, v0, v1, transpose=False).astype(
+        mx.float32
+    )
 
 
 def _target_terms(st, arrays, hc, uc, tc):
@@ -253,7 +257,7 @@ def _forward(st, h, t, u, arrays):
     n_tok, vocab = h.shape[0], arrays["weight"].shape[0]
     cd = st.compute_dtype
     nc, vc = st.token_chunk, st.vocab_chunk
-    step = _online_step(st)
+    step = online_step(st)
     ce, lses, ds, dus = [], [], [], []
     gate = []  # what the next block waits for (see the module docstring)
     for n0 in range(0, n_tok, nc):
@@ -289,7 +293,7 @@ def _forward(st, h, t, u, arrays):
             m = m_new
         lse = m + mx.log(l)
         rt, wt, bt = _target_terms(st, arrays, hc, uc, tc)
-        zt, dzt = _cap(rt, st)
+        zt, dzt = cap(rt, st)
         ce.append(lse - zt)
         lses.append(lse)
         if st.with_grad:
@@ -309,7 +313,7 @@ def _forward(st, h, t, u, arrays):
     return outs
 
 
-def _sweep(st, h, t, u, arrays, lse, dce, need_dh):
+def sweep(st, h, t, u, arrays, lse, dce, need_dh):
     """Second sweep: exact gradients that need the final log-sum-exp.
 
     Returns ``(dh, du, dhead)`` where ``dhead`` is ``[V, parts]`` over the
@@ -384,19 +388,19 @@ def _core(st):
 
     @mx.custom_function
     def core(h, t, u, *values):
-        return tuple(_forward(st, h, t, u, dict(zip(st.names, values))))
+        return tuple(_forward(st, h, t, u, dict(zip(st.names, values, strict=False))))
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
         h, t, u, *values = primals
-        arrays = dict(zip(st.names, values))
+        arrays = dict(zip(st.names, values, strict=False))
         dce = cotangents[0]
         if st.with_grad:
             dh = (dce[:, None].astype(mx.float32) * outputs[2]).astype(h.dtype)
             du = dce[:, None].astype(mx.float32) * outputs[3] if st.has_lora else None
-            _, _, dhead = _sweep(st, h, t, u, arrays, outputs[1], dce, need_dh=False)
+            _, _, dhead = sweep(st, h, t, u, arrays, outputs[1], dce, need_dh=False)
         else:
-            dh, du, dhead = _sweep(st, h, t, u, arrays, outputs[1], dce, need_dh=True)
+            dh, du, dhead = sweep(st, h, t, u, arrays, outputs[1], dce, need_dh=True)
             dh = dh.astype(h.dtype)
         grads = [dh, mx.zeros_like(t), mx.zeros_like(u) if du is None else du.astype(u.dtype)]
         col = 0
@@ -411,7 +415,7 @@ def _core(st):
                 col += r
             if st.train_bias:
                 split["bias"] = dhead[:, col]
-        for name, value in zip(st.names, values):
+        for name, value in zip(st.names, values, strict=False):
             g = split.get(name)
             grads.append(mx.zeros_like(value) if g is None else g.astype(value.dtype))
         return tuple(grads)
@@ -432,7 +436,7 @@ def per_token(head, hidden, targets, opts, train=None):
     n_tok = hidden.shape[0]
     nc, vc = vocab_chunk_for(opts, n_tok, head.vocab)
     train = train or {}
-    st = _Static(
+    st = Static(
         kind=head.kind,
         names=tuple(names),
         group_size=head.group_size,
@@ -449,8 +453,14 @@ def per_token(head, hidden, targets, opts, train=None):
         with_grad=opts.with_grad,
         filter_eps=opts.filter_eps,
         block_skip_eps=opts.block_skip_eps,
-        compute_dtype=_compute_dtype(opts, hidden.dtype),
-        dequantize=(mx.default_device() == mx.cpu) if opts.dequantize is None else bool(opts.dequantize),
+        compute_dtype=compute_dtype(opts, hidden.dtype),
+        dequantize=(mx.default_device() == mx.cpu)
+        if opts.dequantize is None
+        else bool(opts.dequantize),
     )
-    u = _heads.lora_input(head, hidden) if head.has_lora else mx.zeros((n_tok, 0), dtype=hidden.dtype)
+    u = (
+        _heads.lora_input(head, hidden)
+        if head.has_lora
+        else mx.zeros((n_tok, 0), dtype=hidden.dtype)
+    )
     return _core(st)(hidden, targets, u, *values)[0]

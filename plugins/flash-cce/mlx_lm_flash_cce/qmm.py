@@ -51,7 +51,9 @@ def probe(rows=BUGGY_ROWS, dims=256, out_dims=512, group_size=64, bits=4, stream
     errors = {}
     for m in rows:
         x = mx.random.normal((m, out_dims), key=k2)
-        got = mx.quantized_matmul(x, w, s, b, transpose=False, group_size=group_size, bits=bits, stream=stream)
+        got = mx.quantized_matmul(
+            x, w, s, b, transpose=False, group_size=group_size, bits=bits, stream=stream
+        )
         want = mx.matmul(x, dense, stream=stream)
         err = mx.max(mx.abs(got - want)) / (mx.max(mx.abs(want)) + 1e-6)
         errors[m] = err.item()

@@ -12,7 +12,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_lm_flash_cce import cuda, heads
+from mlx_lm_flash_cce import cuda
 
 
 def rel(a, b):
@@ -28,16 +28,20 @@ def case(n, v, h, dtype=mx.bfloat16, bits=0, group=64, seed=0, softcap=None):
     g = mx.random.uniform(0.5, 1.5, (n,), key=k4)
     if bits:
         q = mx.quantize(weight, group_size=group, bits=bits)
-        head = heads.Head(kind="quantized", weight=q[0], scales=q[1], biases=q[2], group_size=group, bits=bits,
-                          vocab=v)
         w32 = mx.dequantize(*q, group_size=group, bits=bits).astype(mx.float32)
         vals = list(q)
     else:
-        head = heads.Head(kind="dense", weight=weight, vocab=v)
         w32 = weight.astype(mx.float32)
         vals = [weight]
-    cfg = cuda.Config(quantized=bool(bits), bits=bits, scale=1.0, softcap=softcap or 0.0, filter_eps=0.0,
-                      block_skip_eps=0.0, train_weight=False)
+    cfg = cuda.Config(
+        quantized=bool(bits),
+        bits=bits,
+        scale=1.0,
+        softcap=softcap or 0.0,
+        filter_eps=0.0,
+        block_skip_eps=0.0,
+        train_weight=False,
+    )
     ce, lse = cuda.forward(cfg, hidden, targets, vals)
     dh = cuda.backward(cfg, hidden, targets, lse, g, vals)
     mx.eval(ce, lse, dh)
@@ -48,13 +52,23 @@ def case(n, v, h, dtype=mx.bfloat16, bits=0, group=64, seed=0, softcap=None):
         z = softcap * mx.tanh(z / softcap)
     lse_ref = mx.logsumexp(z, axis=1)
     ce_ref = nn.losses.cross_entropy(z, targets)
-    dh_ref = mx.grad(lambda x: (g * nn.losses.cross_entropy(
-        (softcap * mx.tanh((x @ w32.T) / softcap)) if softcap else x @ w32.T, targets)).sum())(x)
+    dh_ref = mx.grad(
+        lambda x: (
+            g
+            * nn.losses.cross_entropy(
+                (softcap * mx.tanh((x @ w32.T) / softcap)) if softcap else x @ w32.T, targets
+            )
+        ).sum()
+    )(x)
     mx.eval(lse_ref, ce_ref, dh_ref)
-    tag = f"N={n} V={v} H={h} {dtype} {'q%d/g%d' % (bits, group) if bits else 'dense'}" + (
-        f" softcap={softcap}" if softcap else "")
-    print(f"{tag:>44}: lse {rel(lse, lse_ref):.2e}  ce {rel(ce, ce_ref):.2e}  dh {rel(dh, dh_ref):.2e}  "
-          f"nan {bool(mx.isnan(dh).any().item() or mx.isnan(ce).any().item())}", flush=True)
+    tag = f"N={n} V={v} H={h} {dtype} {f'q{bits}/g{group}' if bits else 'dense'}" + (
+        f" softcap={softcap}" if softcap else ""
+    )
+    print(
+        f"{tag:>44}: lse {rel(lse, lse_ref):.2e}  ce {rel(ce, ce_ref):.2e}  dh {rel(dh, dh_ref):.2e}  "
+        f"nan {bool(mx.isnan(dh).any().item() or mx.isnan(ce).any().item())}",
+        flush=True,
+    )
 
 
 def timing(n, v, h, bits=0):
@@ -63,8 +77,15 @@ def timing(n, v, h, bits=0):
     weight = (mx.random.normal((v, h), key=k2) / h**0.5).astype(mx.bfloat16)
     targets = mx.random.randint(0, v, (n,), key=k3).astype(mx.int32)
     vals = list(mx.quantize(weight, group_size=64, bits=bits)) if bits else [weight]
-    cfg = cuda.Config(quantized=bool(bits), bits=bits, scale=1.0, softcap=0.0, filter_eps=0.0, block_skip_eps=0.0,
-                      train_weight=False)
+    cfg = cuda.Config(
+        quantized=bool(bits),
+        bits=bits,
+        scale=1.0,
+        softcap=0.0,
+        filter_eps=0.0,
+        block_skip_eps=0.0,
+        train_weight=False,
+    )
     g = mx.full((n,), 1.0 / n)
     mx.eval(hidden, vals, targets)
     out = {}
@@ -88,10 +109,13 @@ def timing(n, v, h, bits=0):
         t2 = time.perf_counter()
         out["fwd"], out["bwd"] = min(out["fwd"], t1 - tic), min(out["bwd"], t2 - t1)
     flops = 2 * n * v * h
-    print(f"timing N={n} V={v} H={h} {'q%d' % bits if bits else 'bf16'}: fwd {out['fwd'] * 1e3:.1f} ms "
-          f"({flops / out['fwd'] / 1e12:.0f} TFLOP/s), bwd {out['bwd'] * 1e3:.1f} ms "
-          f"({2 * flops / out['bwd'] / 1e12:.0f} TFLOP/s); splits fwd {cuda.fwd_splits(n, v)} "
-          f"bwd {cuda.bwd_splits(n, v)}", flush=True)
+    print(
+        f"timing N={n} V={v} H={h} {f'q{bits}' if bits else 'bf16'}: fwd {out['fwd'] * 1e3:.1f} ms "
+        f"({flops / out['fwd'] / 1e12:.0f} TFLOP/s), bwd {out['bwd'] * 1e3:.1f} ms "
+        f"({2 * flops / out['bwd'] / 1e12:.0f} TFLOP/s); splits fwd {cuda.fwd_splits(n, v)} "
+        f"bwd {cuda.bwd_splits(n, v)}",
+        flush=True,
+    )
 
 
 def sweep(n=8192, v=151936, h=2048, bits=0):
@@ -113,7 +137,9 @@ def sweep(n=8192, v=151936, h=2048, bits=0):
 if __name__ == "__main__":
     import sys
 
-    print("mlx", mx.__version__, mx.default_device(), "cuda available:", cuda.available(), flush=True)
+    print(
+        "mlx", mx.__version__, mx.default_device(), "cuda available:", cuda.available(), flush=True
+    )
     if "--sweep" in sys.argv:
         sweep()
         sys.exit(0)

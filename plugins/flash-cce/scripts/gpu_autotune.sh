@@ -2,18 +2,10 @@
 # Device run for the auto backend and the memory budget: the one-table
 # benchmark (each path and auto's choice, ratios against stock in the same
 # run), the whole LoRA step on a ~1B random-weight llama, the CUDA tests.
-# MLX's CUDA wheels staged as in shared/docs/mlx-cuda.md (part a in /tmp/w,
-# part b in .device-wheels/b). Writes logs to $OUT.
-# Usage (repo root): bash plugins/flash-cce/scripts/gpu_autotune.sh [auto] [step] [tests]
+# Usage (repo root): SITE=DIR OUT=DIR [WHEELS="DIR ..."] [CACHE=DIR] \
+#   bash plugins/flash-cce/scripts/gpu_autotune.sh [auto] [step] [tests]
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ ! -d /tmp/site/mlx ]; then
-  ls /tmp/w/mlx_cuda_13.part.* >/dev/null 2>&1 || { echo "part a missing in /tmp/w: $(ls /tmp/w 2>&1)"; exit 3; }
-  cat /tmp/w/mlx_cuda_13.part.* .device-wheels/b/mlx_cuda_13.part.* > /tmp/w/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl \
-    && rm /tmp/w/*.part.* && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 4
-fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/plugins/flash-cce PYTHONUNBUFFERED=1 MLX_LM_EXT_CACHE=/tmp/mlxext \
-  MLX_LM_FLASH_CCE_CACHE=/tmp/cce-cache
+source "$(dirname "$0")/stage.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), mx.device_info())"
 B=benchmarks/bench_flash_cce.py

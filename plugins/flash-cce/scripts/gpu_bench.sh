@@ -1,19 +1,9 @@
 #!/bin/bash
-# Run flash-cce's GPU checks on a CUDA machine with MLX's CUDA wheels staged
-# as in shared/docs/mlx-cuda.md (.device-wheels/a then b). Writes to $OUT.
-# Usage (repo root): bash plugins/flash-cce/scripts/gpu_bench.sh [tests|bench|all]
+# flash-cce's GPU checks on a CUDA machine: the heads benchmark and the parity tests.
+# Usage (repo root): SITE=DIR OUT=DIR [WHEELS="DIR ..."] bash plugins/flash-cce/scripts/gpu_bench.sh [tests|bench|all]
 set -u
 what=${1:-all}
-stage() {  # join the two halves of the mlx-cuda wheel and install once
-  [ -d /tmp/site/mlx ] && return 0
-  mkdir -p /tmp/w
-  for d in .device-wheels/a .device-wheels/b; do [ -d $d ] && cp $d/* /tmp/w/; done
-  ls /tmp/w/mlx_cuda_13.part.aa /tmp/w/mlx_cuda_13.part.ab >/dev/null 2>&1 || { echo "staged: $(ls /tmp/w)"; exit 3; }
-  cat /tmp/w/mlx_cuda_13.part.* > /tmp/w/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl && rm /tmp/w/mlx_cuda_13.part.* /tmp/w/*.md5 2>/dev/null
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 4
-}
-stage
-export PYTHONPATH=/tmp/site:$PWD:$PWD/plugins/flash-cce PYTHONUNBUFFERED=1
+source "$(dirname "$0")/stage.sh"
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" || exit 5
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 B="python3 benchmarks/bench_flash_cce.py --heads --repeats 2"

@@ -1,10 +1,9 @@
 #!/bin/bash
 # Device run for the fused CUDA kernels: smoke check, tests, benchmark table.
-# Expects MLX's CUDA wheels installed in /tmp/site (shared/docs/mlx-cuda.md).
-# Writes logs to $OUT. Usage (repo root): bash plugins/flash-cce/scripts/gpu_cuda.sh [smoke] [tests] [bench]
+# Usage (repo root): SITE=DIR OUT=DIR [WHEELS="DIR ..."] [CACHE=DIR] \
+#   bash plugins/flash-cce/scripts/gpu_cuda.sh [smoke] [tests] [bench]
 set -u
-export PYTHONPATH=/tmp/site:$PWD:$PWD/plugins/flash-cce PYTHONUNBUFFERED=1 MLX_LM_EXT_CACHE=/tmp/mlxext
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+source "$(dirname "$0")/stage.sh"
 steps=${*:-smoke tests bench}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 for step in $steps; do

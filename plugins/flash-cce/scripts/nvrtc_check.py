@@ -25,9 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_lm_flash_cce import cuda  # noqa: E402
 
-DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
-CUDA_TYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float", "int32": "int32_t",
-              "uint32": "uint32_t"}
+DEFAULT_HEADER = (
+    '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+)
+CUDA_TYPES = {
+    "bfloat16": "__nv_bfloat16",
+    "float16": "__half",
+    "float32": "float",
+    "int32": "int32_t",
+    "uint32": "uint32_t",
+}
 
 
 def kernel_source(kind, quantized, dtype, bits):
@@ -45,9 +52,13 @@ def kernel_source(kind, quantized, dtype, bits):
     name = f"custom_kernel_flash_cce_{kind}_{'q' if quantized else 'dense'}_{CUDA_TYPES[dtype]}"
     if quantized:
         name += f"_{bits}"
-    src = DEFAULT_HEADER + cuda.HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    src = (
+        DEFAULT_HEADER
+        + cuda.HEADER
+        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    )
     src += f"__global__ void {name}(\n"
-    for n, t in zip(inputs, types):
+    for n, t in zip(inputs, types, strict=False):
         src += f"    const {CUDA_TYPES[t]}* {n},\n"
         if n + "_shape" in body:
             src += f"    const __grid_constant__ Shape {n}_shape,\n"
@@ -82,10 +93,20 @@ def compile_source(lib, src, headers, includes, arch):
     hs = [Path(headers, n).read_bytes() for n in names]
     hn = [("mlx/backend/cuda/device/" + n).encode() for n in names]
     prog = ctypes.c_void_p()
-    r = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", len(hs),
-                               (ctypes.c_char_p * len(hs))(*hs), (ctypes.c_char_p * len(hn))(*hn))
+    r = lib.nvrtcCreateProgram(
+        ctypes.byref(prog),
+        src.encode(),
+        b"k.cu",
+        len(hs),
+        (ctypes.c_char_p * len(hs))(*hs),
+        (ctypes.c_char_p * len(hn))(*hn),
+    )
     assert r == 0, r
-    opts = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v"]
+    opts = [
+        b"--device-as-default-execution-space",
+        f"--gpu-architecture={arch}".encode(),
+        b"--ptxas-options=-v",
+    ]
     opts += [f"--include-path={i}".encode() for i in includes]
     tic = time.time()
     r = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
@@ -98,9 +119,13 @@ def compile_source(lib, src, headers, includes, arch):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nvrtc", required=True)
-    p.add_argument("--device-headers", required=True, help="folder with MLX's mlx/backend/cuda/device/*.cuh")
+    p.add_argument(
+        "--device-headers", required=True, help="folder with MLX's mlx/backend/cuda/device/*.cuh"
+    )
     p.add_argument("-I", dest="includes", action="append", default=[])
     p.add_argument("--arch", default="sm_90a")
     p.add_argument("--only", default=None, help="fwd or bwd")
@@ -118,7 +143,9 @@ def main():
                     Path(a.dump).mkdir(parents=True, exist_ok=True)
                     Path(a.dump, name + ".cu").write_text(src)
                 r, log, dt = compile_source(lib, src, a.device_headers, a.includes, a.arch)
-                usage = [ln.strip() for ln in log.splitlines() if "registers" in ln or "spill" in ln]
+                usage = [
+                    ln.strip() for ln in log.splitlines() if "registers" in ln or "spill" in ln
+                ]
                 print(f"{name}: {'ok' if r == 0 else 'FAILED'} in {dt:.1f}s; " + "; ".join(usage))
                 if r != 0:
                     failed += 1

@@ -39,8 +39,17 @@ budget = 1 << 30
 key = autotune._key(heads.as_head(weight), n, h, hidden.dtype, budget, portable.Options())
 other = autotune.Candidate("stock")
 if rank == 1:  # a choice this rank made on its own earlier
-    autotune._save_cache(key, {"candidate": other._asdict(), "ms": 1.0, "peak": 1, "line": "",
-                               "mlx": mx.__version__, "device": autotune.device_name()})
+    autotune._save_cache(
+        key,
+        {
+            "candidate": other._asdict(),
+            "ms": 1.0,
+            "peak": 1,
+            "line": "",
+            "mlx": mx.__version__,
+            "device": autotune.device_name(),
+        },
+    )
 own = autotune._cached(key)
 
 if rank == 0:
@@ -53,22 +62,38 @@ if rank == 0:
 
     autotune._measure = measure
 
-value, grad = mx.value_and_grad(lambda x: linear_cross_entropy(x, weight, targets, memory_budget=budget))(hidden)
+value, grad = mx.value_and_grad(
+    lambda x: linear_cross_entropy(x, weight, targets, memory_budget=budget)
+)(hidden)
 mx.eval(value, grad)
 choice = autotune._MEMORY[key].candidate.label
-measured = next((line.split("chose ")[1].split(" (")[0] for line in lines if "chose " in line), None)
+measured = next(
+    (line.split("chose ")[1].split(" (")[0] for line in lines if "chose " in line), None
+)
 cached = autotune._cached(key)
 
 # Ranks pad batches to their own lengths: later calls of other shapes (here
 # another shape bucket per rank) keep the first choice and make no collective
 # call, so the next collective (as mlx-lm's gradient average) still pairs up.
 big_h, big_t = mx.concatenate([hidden] * 4), mx.concatenate([targets] * 4)
-for m in ((700, 1500) if rank == 0 else (300,)):  # another number of calls per rank, too
+for m in (700, 1500) if rank == 0 else (300,):  # another number of calls per rank, too
     mx.eval(linear_cross_entropy(big_h[:m], weight, big_t[:m], memory_budget=budget))
-later_choice = autotune.choose(heads.as_head(weight), m, h, hidden.dtype, budget, portable.Options(), None)
+later_choice = autotune.choose(
+    heads.as_head(weight), m, h, hidden.dtype, budget, portable.Options(), None
+)
 paired = mx.distributed.all_sum(mx.array([1]))
 mx.eval(paired)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump({"rank": rank, "choice": choice, "measured": measured, "own_cache": own.candidate.label if own else None,
-               "cached": cached.candidate.label if cached else None, "loss": value.item(),
-               "later": later_choice.label, "paired": paired.item()}, f)
+    json.dump(
+        {
+            "rank": rank,
+            "choice": choice,
+            "measured": measured,
+            "own_cache": own.candidate.label if own else None,
+            "cached": cached.candidate.label if cached else None,
+            "loss": value.item(),
+            "later": later_choice.label,
+            "paired": paired.item(),
+        },
+        f,
+    )

@@ -17,8 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm_ext import PluginError
 
+from mlx_lm_ext import PluginError
 from mlx_lm_flash_cce import autotune, backends, budget, linear_cross_entropy, plugin
 
 HERE = Path(__file__).parent
@@ -47,8 +47,18 @@ def _loss_and_grad(fn, hidden):
 # ------------------------------------------------------------------ budget
 
 
-@pytest.mark.parametrize("text,want", [("512M", 512 << 20), ("2G", 2 << 30), ("1.5G", 3 << 29), ("64k", 64 << 10),
-                                       ("1048576", 1 << 20), ("3 GiB", 3 << 30), (4096, 4096)])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("512M", 512 << 20),
+        ("2G", 2 << 30),
+        ("1.5G", 3 << 29),
+        ("64k", 64 << 10),
+        ("1048576", 1 << 20),
+        ("3 GiB", 3 << 30),
+        (4096, 4096),
+    ],
+)
 def test_parse_size(text, want):
     assert budget.parse_size(text) == want
 
@@ -82,21 +92,20 @@ def test_a_budget_no_path_fits_names_the_smallest():
 
 
 @cpu_only
-def test_budget_too_small_exits_2_from_mlx_lm_lora(tiny_model, capsys):
+def test_budget_too_small_is_bad_input_at_the_first_batch(tiny_model):
+    """A PluginError: the host turns it into exit 2 around mlx-lm's train()."""
     from mlx_lm import load
 
     model, _ = load(str(tiny_model("llama")))
     args = plugin.argparse.Namespace(cce_memory_budget="1M")
-    plugin.activate("lora", args)
+    opts = plugin.activate("lora", args)
     try:
-        loss = plugin.make_loss("flash-cce", model, args)
+        loss = plugin.make_loss("flash-cce", model, args, opts)
         batch = mx.random.randint(0, 1000, (4, 1025), key=mx.random.key(0))
         lengths = mx.array([[0, 1024]] * 4)
         model.train()
-        with pytest.raises(SystemExit) as exit_:
+        with pytest.raises(PluginError, match="below what any flash-cce path needs"):
             loss(model, batch, lengths)
-        assert exit_.value.code == 2
-        assert "--cce-memory-budget 1M is below what any flash-cce path needs" in capsys.readouterr().err
     finally:
         plugin.deactivate()
 
@@ -136,8 +145,10 @@ def test_auto_trial_picks_the_fastest_within_budget_and_caches_it(caplog, monkey
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flash-cce auto:")]
     assert len(lines) == 1 and "tried stock" in lines[0] and "chose " in lines[0]
     # the winner is the fastest within the budget, as the line reports them
-    tried = re.findall(r"(?:tried |, )([a-z-]+(?: \d+x\d+)?(?: \+\d+M)?) ([0-9.]+) ms/\d+ MiB( \(over budget\))?",
-                       lines[0].split("; chose")[0])
+    tried = re.findall(
+        r"(?:tried |, )([a-z-]+(?: \d+x\d+)?(?: \+\d+M)?) ([0-9.]+) ms/\d+ MiB( \(over budget\))?",
+        lines[0].split("; chose")[0],
+    )
     times = {label: float(ms) for label, ms, over in tried if not over}
     assert "stock" in times and "mlx" in "".join(times)
     chosen = lines[0].split("chose ")[1].split(" (")[0]
@@ -180,18 +191,24 @@ def test_a_failing_candidate_is_dropped_and_training_goes_on(caplog, monkeypatch
 
     backends.register("broken-test", broken, priority=-100)
     real = autotune.candidates
-    monkeypatch.setattr(autotune, "candidates",
-                        lambda *a, **k: real(*a, **k) + [autotune.Candidate("flash", "broken-test", 512, 1024)])
+    monkeypatch.setattr(
+        autotune,
+        "candidates",
+        lambda *a, **k: real(*a, **k) + [autotune.Candidate("flash", "broken-test", 512, 1024)],
+    )
     try:
         hidden, weight, targets = _case()
         with caplog.at_level(logging.DEBUG, logger="mlx_lm_flash_cce"):
             value, grad = _loss_and_grad(
-                lambda x: linear_cross_entropy(x, weight, targets, memory_budget="1G"), hidden)
+                lambda x: linear_cross_entropy(x, weight, targets, memory_budget="1G"), hidden
+            )
         want, want_grad = _loss_and_grad(lambda x: _stock(x, weight, targets), hidden)
         assert abs(value.item() - want.item()) < 1e-4 and mx.allclose(grad, want_grad, atol=1e-5)
         messages = [r.getMessage() for r in caplog.records]
-        assert any("broken-test 512x1024 failed in the trial (RuntimeError" in m and "dropped" in m
-                   for m in messages)
+        assert any(
+            "broken-test 512x1024 failed in the trial (RuntimeError" in m and "dropped" in m
+            for m in messages
+        )
         line = next(m for m in messages if m.startswith("flash-cce auto:"))
         assert "broken-test 512x1024 failed" in line and "chose broken-test" not in line
     finally:
@@ -204,7 +221,9 @@ def test_only_one_path_within_the_default_budget_runs_no_trial(caplog, monkeypat
     monkeypatch.setattr(autotune, "trial", lambda *a, **k: pytest.fail("no trial expected"))
     with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
         linear_cross_entropy(hidden, weight, targets)
-    assert any("mlx (the only path within the budget 768M" in r.getMessage() for r in caplog.records)
+    assert any(
+        "mlx (the only path within the budget 768M" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_forced_backend_skips_the_trial(monkeypatch):
@@ -226,11 +245,22 @@ def test_ranks_agree_on_auto_choice(tmp_path):
         pytest.skip("mlx.launch (MLX's distributed launcher) is not installed")
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [launch, "-n", "2", "--backend", "ring", "--python", sys.executable, str(HERE / "dp_worker.py"),
-           str(tmp_path), str(out)]
+    cmd = [
+        launch,
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--python",
+        sys.executable,
+        str(HERE / "dp_worker.py"),
+        str(tmp_path),
+        str(out),
+    ]
     # its own process group: a hang (ranks pairing the wrong collectives) ends with every rank
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
@@ -244,6 +274,9 @@ def test_ranks_agree_on_auto_choice(tmp_path):
     assert results[0]["choice"] == results[1]["choice"] == results[0]["measured"] == "mlx"
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], abs=1e-6)
     # later batches of other (per-rank) shapes keep it, without collective calls
-    assert results[0]["later"] == results[1]["later"] == "mlx" and results[0]["paired"] == results[1]["paired"] == 2
+    assert (
+        results[0]["later"] == results[1]["later"] == "mlx"
+        and results[0]["paired"] == results[1]["paired"] == 2
+    )
     # only rank 0 writes its cache; rank 1's stays as it was
     assert results[0]["cached"] == results[0]["choice"] and results[1]["cached"] == "stock"

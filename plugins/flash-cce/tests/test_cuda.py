@@ -61,9 +61,16 @@ def _check(head, weight32, hidden, targets, compare_mlx=True, **opts):
     """Kernels vs float32 reference (and no worse than the pure-MLX path)."""
     assert cuda.plan(head, hidden) == "cuda"
     ref_opts = {k: v for k, v in opts.items() if k in ("softcap", "logit_scale")}
-    ref = _loss_and_grad(lambda x: _ref_ce(x.astype(mx.float32), weight32, targets, **ref_opts), hidden.astype(mx.float32))
+    ref = _loss_and_grad(
+        lambda x: _ref_ce(x.astype(mx.float32), weight32, targets, **ref_opts),
+        hidden.astype(mx.float32),
+    )
     ours = _loss_and_grad(
-        lambda x: linear_cross_entropy(x, head, targets, reduction="none", impl="flash", backend="cuda", **opts), hidden)
+        lambda x: linear_cross_entropy(
+            x, head, targets, reduction="none", impl="flash", backend="cuda", **opts
+        ),
+        hidden,
+    )
     assert ours[1].dtype == hidden.dtype
     for got in ours:
         assert not mx.isnan(got).any().item()
@@ -72,8 +79,11 @@ def _check(head, weight32, hidden, targets, compare_mlx=True, **opts):
     assert g_err <= 5e-3, g_err
     if compare_mlx:
         mlx = _loss_and_grad(
-            lambda x: linear_cross_entropy(x, head, targets, reduction="none", impl="flash", backend="mlx", **opts),
-            hidden)
+            lambda x: linear_cross_entropy(
+                x, head, targets, reduction="none", impl="flash", backend="mlx", **opts
+            ),
+            hidden,
+        )
         g_mlx = _rel(mlx[1], ref[1])
         assert g_err <= g_mlx + 5e-3, (g_err, g_mlx)
 
@@ -98,7 +108,9 @@ def test_quantized_heads(bits, group, dtype):
     _check(layer, dense.astype(mx.float32), hidden, targets, compare_mlx=False)
 
 
-@pytest.mark.parametrize("opts", [{"softcap": 5.0}, {"logit_scale": 0.5}, {"softcap": 3.0, "logit_scale": 2.0}])
+@pytest.mark.parametrize(
+    "opts", [{"softcap": 5.0}, {"logit_scale": 0.5}, {"softcap": 3.0, "logit_scale": 2.0}]
+)
 def test_softcap_and_logit_scale(opts):
     hidden, weight, targets = _data(200, 4099, 192, mx.bfloat16, seed=5)
     _check(weight, weight.astype(mx.float32), hidden, targets, **opts)
@@ -114,8 +126,15 @@ def test_ignore_index_and_reductions(reduction):
     targets = mx.where(mx.arange(150) % 7 == 0, -100, targets)
 
     def run(backend):
-        fn = lambda x: linear_cross_entropy(x, weight, targets, ignore_index=-100, reduction=reduction,
-                                            impl="flash", backend=backend)
+        fn = lambda x: linear_cross_entropy(
+            x,
+            weight,
+            targets,
+            ignore_index=-100,
+            reduction=reduction,
+            impl="flash",
+            backend=backend,
+        )
         value, grad = mx.value_and_grad(fn)(hidden)
         mx.eval(value, grad)
         return value, grad
@@ -151,7 +170,7 @@ def test_kernel_plan_and_auto_fall_back():
 
 def test_trainable_dense_head_gets_its_gradient():
     hidden, weight, targets = _data(100, 700, 128, mx.bfloat16, seed=8)
-    fn = lambda b: (lambda x, w: linear_cross_entropy(x, w, targets, impl="flash", backend=b))
+    fn = lambda b: lambda x, w: linear_cross_entropy(x, w, targets, impl="flash", backend=b)
     (_, (gh1, gw1)) = mx.value_and_grad(fn("cuda"), argnums=(0, 1))(hidden, weight)
     (_, (gh2, gw2)) = mx.value_and_grad(fn("mlx"), argnums=(0, 1))(hidden, weight)
     mx.eval(gh1, gw1, gh2, gw2)
@@ -160,11 +179,24 @@ def test_trainable_dense_head_gets_its_gradient():
 
 
 def test_filters_keep_the_loss_exact():
-    hidden, weight, targets = _data(256, 4096, 128, mx.bfloat16, seed=9, spread=12.0)  # peaked softmax
-    exact = _loss_and_grad(lambda x: linear_cross_entropy(x, weight, targets, reduction="none", backend="cuda"), hidden)
-    for opts in ({"filter_eps": 1e-7}, {"block_skip_eps": 1e-7}, {"filter_eps": 0.5}, {"block_skip_eps": 0.5}):
+    hidden, weight, targets = _data(
+        256, 4096, 128, mx.bfloat16, seed=9, spread=12.0
+    )  # peaked softmax
+    exact = _loss_and_grad(
+        lambda x: linear_cross_entropy(x, weight, targets, reduction="none", backend="cuda"), hidden
+    )
+    for opts in (
+        {"filter_eps": 1e-7},
+        {"block_skip_eps": 1e-7},
+        {"filter_eps": 0.5},
+        {"block_skip_eps": 0.5},
+    ):
         got = _loss_and_grad(
-            lambda x: linear_cross_entropy(x, weight, targets, reduction="none", backend="cuda", **opts), hidden)
+            lambda x, opts=opts: linear_cross_entropy(
+                x, weight, targets, reduction="none", backend="cuda", **opts
+            ),
+            hidden,
+        )
         assert _rel(got[0], exact[0]) == 0.0, opts  # the forward is untouched
         err = _rel(got[1], exact[1])
         eps = next(iter(opts.values()))
@@ -196,9 +228,17 @@ def test_lora_training_step_with_make_loss():
 
     from mlx_lm_flash_cce import make_loss
 
-    config = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=1500,
-                  tie_word_embeddings=False)
+    config = dict(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=1500,
+        tie_word_embeddings=False,
+    )
     model_class, args_class = _get_classes(config)
     mx.random.seed(0)
     models = {}
@@ -207,7 +247,7 @@ def test_lora_training_step_with_make_loss():
         model = model_class(args_class.from_dict(config))
         model.freeze()
         linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
-        model.apply(lambda p: p.astype(dtype))
+        model.apply(lambda p, dtype=dtype: p.astype(dtype))
         model.train()
         models[dtype] = model
     batch = mx.random.randint(0, 1500, (4, 65), key=mx.random.key(1))
@@ -215,7 +255,9 @@ def test_lora_training_step_with_make_loss():
 
     def grads(model, loss):
         lvg = nn.value_and_grad(model, loss)
-        step = partial(mx.compile, inputs=model.state, outputs=model.state)(lambda b, l: lvg(model, b, l))
+        step = partial(mx.compile, inputs=model.state, outputs=model.state)(
+            lambda b, l: lvg(model, b, l)
+        )
         (value, ntok), g = step(batch, lengths)
         mx.eval(value, g)
         return value.item(), dict(tree_flatten(g))
@@ -235,7 +277,9 @@ def test_lora_training_step_with_make_loss():
 def test_memory_never_holds_the_logits():
     n, v, h = 4096, 50000, 512
     hidden, weight, targets = _data(n, v, h, mx.bfloat16, seed=11)
-    fn = lambda x: linear_cross_entropy(x, weight, targets, impl="flash", backend="cuda", train={"weight": False})
+    fn = lambda x: linear_cross_entropy(
+        x, weight, targets, impl="flash", backend="cuda", train={"weight": False}
+    )
     vg = mx.value_and_grad(fn)
     mx.eval(vg(hidden))  # compile first
     mx.synchronize()

@@ -33,8 +33,10 @@ def reference(hidden, weight, targets, softcap=None, logit_scale=None, ignore_in
             z = z * logit_scale
         if softcap is not None:
             z = softcap * mx.tanh(z / softcap)
-        ce = nn.losses.cross_entropy(z, mx.where(targets == ignore_index, 0, targets) if ignore_index is not None
-                                     else targets)
+        ce = nn.losses.cross_entropy(
+            z,
+            mx.where(targets == ignore_index, 0, targets) if ignore_index is not None else targets,
+        )
         if ignore_index is None:
             return ce.mean()
         valid = targets != ignore_index
@@ -64,12 +66,15 @@ def tol(dtype):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("n,v,h,blocks", [
-    (1, 300, 64, (256, 0)),          # one token, default 8192 x 8192 blocks (clamped)
-    (77, 1003, 96, (32, 256)),        # ragged token and vocab chunks
-    (300, 5003, 128, (128, 1000)),    # vocab chunk not a multiple of anything
-    (513, 2049, 64, (8192, 8192)),    # one block
-])
+@pytest.mark.parametrize(
+    "n,v,h,blocks",
+    [
+        (1, 300, 64, (256, 0)),  # one token, default 8192 x 8192 blocks (clamped)
+        (77, 1003, 96, (32, 256)),  # ragged token and vocab chunks
+        (300, 5003, 128, (128, 1000)),  # vocab chunk not a multiple of anything
+        (513, 2049, 64, (8192, 8192)),  # one block
+    ],
+)
 def test_matches_stock(n, v, h, blocks, dtype):
     hidden, weight, targets = case(n, v, h, dtype)
     tc, vc = blocks
@@ -81,9 +86,15 @@ def test_matches_stock(n, v, h, blocks, dtype):
     assert rel_err(dh, ref_dh) <= gt
 
 
-@pytest.mark.parametrize("opts", [
-    {"softcap": 5.0}, {"logit_scale": 0.5}, {"softcap": 3.0, "logit_scale": 2.0},
-], ids=["softcap", "scale", "both"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"softcap": 5.0},
+        {"logit_scale": 0.5},
+        {"softcap": 3.0, "logit_scale": 2.0},
+    ],
+    ids=["softcap", "scale", "both"],
+)
 def test_softcap_and_logit_scale(opts):
     hidden, weight, targets = case(200, 4099, 64, mx.float32, seed=1)
     loss, dh = flash(hidden, weight, targets, token_chunk=64, vocab_chunk=1024, **opts)
@@ -121,8 +132,16 @@ def test_trainable_weight_and_loss_only_paths():
     hidden, weight, targets = case(90, 700, 64, mx.float32, seed=4)
 
     def ours(x, w, with_grad):
-        return linear_cross_entropy(x, w, targets, impl="flash", backend="cuda-gemm", token_chunk=32,
-                                    vocab_chunk=256, with_grad=with_grad)
+        return linear_cross_entropy(
+            x,
+            w,
+            targets,
+            impl="flash",
+            backend="cuda-gemm",
+            token_chunk=32,
+            vocab_chunk=256,
+            with_grad=with_grad,
+        )
 
     def stock(x, w):
         return nn.losses.cross_entropy(x @ w.T, targets).mean()
@@ -130,15 +149,25 @@ def test_trainable_weight_and_loss_only_paths():
     ref = mx.grad(stock, argnums=(0, 1))(hidden, weight)
     lt, gt = tol(mx.float32)
     for with_grad in (True, False):
-        got = mx.grad(lambda x, w: ours(x, w, with_grad), argnums=(0, 1))(hidden, weight)
+        got = mx.grad(lambda x, w, g=with_grad: ours(x, w, g), argnums=(0, 1))(hidden, weight)
         assert rel_err(got[0], ref[0]) <= gt
         assert rel_err(got[1], ref[1]) <= gt
 
 
 def test_compiled_matches_eager():
     hidden, weight, targets = case(100, 900, 64, mx.float32, seed=5)
-    fn = mx.value_and_grad(lambda x: linear_cross_entropy(x, weight, targets, impl="flash", backend="cuda-gemm",
-                                                          token_chunk=64, vocab_chunk=256, train=FROZEN))
+    fn = mx.value_and_grad(
+        lambda x: linear_cross_entropy(
+            x,
+            weight,
+            targets,
+            impl="flash",
+            backend="cuda-gemm",
+            token_chunk=64,
+            vocab_chunk=256,
+            train=FROZEN,
+        )
+    )
     eager = fn(hidden)
     compiled = mx.compile(fn)(hidden)
     assert rel_err(compiled[0], eager[0]) <= 1e-6
@@ -160,43 +189,71 @@ def test_unsupported_options_fall_back_and_bad_elementwise_is_an_error():
     lin = nn.Linear(64, 300, bias=True)
     lin.weight = weight
     ref = nn.losses.cross_entropy(lin(hidden), targets).mean()
-    got = linear_cross_entropy(hidden, lin, targets, impl="flash", backend="cuda-gemm")  # bias: pure-MLX path
+    got = linear_cross_entropy(
+        hidden, lin, targets, impl="flash", backend="cuda-gemm"
+    )  # bias: pure-MLX path
     assert rel_err(got, ref) <= 1e-5
     with pytest.raises(ValueError, match="elementwise"):
-        linear_cross_entropy(hidden, weight, targets, impl="flash", backend="cuda-gemm", elementwise="fused")
+        linear_cross_entropy(
+            hidden, weight, targets, impl="flash", backend="cuda-gemm", elementwise="fused"
+        )
     if not cuda_gemm.on_cuda():
         with pytest.raises(ValueError, match="CUDA"):
-            linear_cross_entropy(hidden, weight, targets, impl="flash", backend="cuda-gemm", elementwise="kernel")
+            linear_cross_entropy(
+                hidden, weight, targets, impl="flash", backend="cuda-gemm", elementwise="kernel"
+            )
 
 
 def test_blocks_default_and_explicit():
     assert cuda_gemm.blocks(portable.Options(), 100_000, 200_000) == (8192, 8192)
     assert cuda_gemm.blocks(portable.Options(), 10, 300) == (10, 300)
-    assert cuda_gemm.blocks(portable.Options(token_chunk=2048, vocab_chunk=16384), 8192, 151936) == (2048, 16384)
+    assert cuda_gemm.blocks(
+        portable.Options(token_chunk=2048, vocab_chunk=16384), 8192, 151936
+    ) == (2048, 16384)
 
 
 # ------------------------------------------------------------- CUDA only
 
-needs_cuda = pytest.mark.skipif(not cuda_gemm.on_cuda(),
-                                reason="the row kernel needs MLX's CUDA backend with a GPU as the default device")
+needs_cuda = pytest.mark.skipif(
+    not cuda_gemm.on_cuda(),
+    reason="the row kernel needs MLX's CUDA backend with a GPU as the default device",
+)
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("rows,cols", [(5, 4093), (64, 8192)], ids=["scalar", "vector"])  # row length % 8
-@pytest.mark.parametrize("opts", [{}, {"softcap": 5.0, "logit_scale": 0.7}], ids=["plain", "capped"])
+@pytest.mark.parametrize(
+    "dtype", [mx.bfloat16, mx.float16, mx.float32], ids=["bf16", "fp16", "fp32"]
+)
+@pytest.mark.parametrize(
+    "rows,cols", [(5, 4093), (64, 8192)], ids=["scalar", "vector"]
+)  # row length % 8
+@pytest.mark.parametrize(
+    "opts", [{}, {"softcap": 5.0, "logit_scale": 0.7}], ids=["plain", "capped"]
+)
 def test_row_kernel_matches_mlx_step(rows, cols, dtype, opts):
     k1, k2 = mx.random.split(mx.random.key(rows * cols), 2)
     z = (mx.random.normal((rows, cols), key=k1) * 4).astype(dtype)
     m = mx.where(mx.arange(rows) % 2 == 0, -mx.inf, mx.random.normal((rows,), key=k2) * 4)
     l = mx.where(mx.isinf(m), 0.0, 3.0)
-    cfg = cuda_gemm.Config(kind="dense", names=("weight",), group_size=0, bits=0, mode="affine",
-                           softcap=opts.get("softcap"), logit_scale=opts.get("logit_scale"), token_chunk=rows,
-                           vocab_chunk=cols, with_grad=True, compute_dtype=dtype, kernel=False, train_weight=False)
+    cfg = cuda_gemm.Config(
+        kind="dense",
+        names=("weight",),
+        group_size=0,
+        bits=0,
+        mode="affine",
+        softcap=opts.get("softcap"),
+        logit_scale=opts.get("logit_scale"),
+        token_chunk=rows,
+        vocab_chunk=cols,
+        with_grad=True,
+        compute_dtype=dtype,
+        kernel=False,
+        train_weight=False,
+    )
     want = cuda_gemm.mlx_step(cfg, lean=False)(z, m, l)
     got = cuda_gemm.kernel_step(z, m, l, opts.get("softcap"), opts.get("logit_scale"))
     lean = cuda_gemm.mlx_step(cfg)(z, m, l)
-    for name, g, w, e in zip(("m", "a", "l", "P"), got, want, lean):
+    for name, g, w, e in zip(("m", "a", "l", "P"), got, want, lean, strict=False):
         assert g.dtype == w.dtype == e.dtype and g.shape == w.shape == e.shape, name
         assert rel_err(g, w) <= (1e-5 if name != "P" else 1e-2), name
         # the lean step sums P in the blocks' dtype: l to that dtype's precision

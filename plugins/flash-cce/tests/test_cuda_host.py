@@ -97,12 +97,16 @@ def test_host_side_matches_pure_mlx(fake, n, v, quantized, cap):
     hidden, head, targets = _case(n, v, 128, quantized)
     opts = portable.Options(compute_dtype=mx.float32, dequantize=True, **cap)
     train = {"weight": False}
-    fn = lambda backend: (lambda x: (backend(head, x, targets, opts, train) * mx.arange(1, n + 1)).sum())
+    fn = lambda backend: (
+        lambda x: (backend(head, x, targets, opts, train) * mx.arange(1, n + 1)).sum()
+    )
     v1, g1 = mx.value_and_grad(fn(cuda.per_token))(hidden.astype(mx.float32).astype(mx.bfloat16))
     v2, g2 = mx.value_and_grad(fn(portable.per_token))(hidden)
     assert abs(v1.item() - v2.item()) <= 1e-4 * abs(v2.item())
     assert g1.dtype == mx.bfloat16
-    assert mx.allclose(g1.astype(mx.float32), g2.astype(mx.float32), rtol=2e-2, atol=1e-3 * mx.abs(g2).max().item())
+    assert mx.allclose(
+        g1.astype(mx.float32), g2.astype(mx.float32), rtol=2e-2, atol=1e-3 * mx.abs(g2).max().item()
+    )
     compiled = mx.compile(mx.value_and_grad(fn(cuda.per_token)))(hidden)
     assert abs(compiled[0].item() - v1.item()) <= 1e-6 * abs(v1.item())
 
@@ -140,8 +144,9 @@ def test_unsupported_cases_say_why():
     assert cuda.unsupported(heads.as_head(w), x) is None
     assert "float32" in cuda.unsupported(heads.as_head(w.astype(mx.float32)), x.astype(mx.float32))
     assert "differs" in cuda.unsupported(heads.as_head(w.astype(mx.float16)), x)
-    assert "multiple of 64" in cuda.unsupported(heads.as_head(mx.zeros((10, 96), mx.bfloat16)),
-                                                 mx.zeros((4, 96), mx.bfloat16))
+    assert "multiple of 64" in cuda.unsupported(
+        heads.as_head(mx.zeros((10, 96), mx.bfloat16)), mx.zeros((4, 96), mx.bfloat16)
+    )
     assert "bias" in cuda.unsupported(heads.as_head(nn.Linear(128, 10)), x)
     q = nn.QuantizedLinear(128, 64, bias=False, group_size=32, bits=3)
     assert "3-bit" in cuda.unsupported(heads.as_head(q), x)

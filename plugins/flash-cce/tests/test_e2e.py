@@ -34,22 +34,49 @@ def test_lora_cli_flash_cce_matches_default(smollm2_path, tmp_path):
     for loss in ("default", "flash-cce"):
         adapters = tmp_path / f"adapters-{loss}"
         cmd = [
-            sys.executable, "-m", "mlx_lm", "lora", "--model", str(smollm2_path), "--train",
-            "--data", str(data), "--loss", loss, "--iters", "2", "--batch-size", "2",
-            "--num-layers", "4", "--val-batches", "1", "--steps-per-report", "1",
-            "--steps-per-eval", "2", "--max-seq-length", "64", "--seed", "0",
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "lora",
+            "--model",
+            str(smollm2_path),
+            "--train",
+            "--data",
+            str(data),
+            "--loss",
+            loss,
+            "--iters",
+            "2",
+            "--batch-size",
+            "2",
+            "--num-layers",
+            "4",
+            "--val-batches",
+            "1",
+            "--steps-per-report",
+            "1",
+            "--steps-per-eval",
+            "2",
+            "--max-seq-length",
+            "64",
+            "--seed",
+            "0",
             # SGD: adapters move linearly with the gradients. (Adam's first
             # step is lr * sign(gradient): where a gradient is ~0 its sign is
             # noise in either loss, so Adam's adapters cannot be compared.)
-            "--optimizer", "sgd", "--learning-rate", "1e-2",
-            "--adapter-path", str(adapters),
+            "--optimizer",
+            "sgd",
+            "--learning-rate",
+            "1e-2",
+            "--adapter-path",
+            str(adapters),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         train, val = _losses(proc.stdout)
         assert sorted(train) == [1, 2] and sorted(val) == [1, 2], proc.stdout[-2000:]
         assert (adapters / "adapters.safetensors").is_file()
-        runs[loss] = (train, val, proc.stdout, adapters)
+        runs[loss] = (train, val, proc.stdout + proc.stderr, adapters)
     (t1, v1, out1, a1), (t2, v2, out2, a2) = runs["flash-cce"], runs["default"]
     assert "flash-cce: llama model" in out1 and "self-check: matches" in out1
     assert "flash-cce" not in ANSI.sub("", out2)
@@ -103,7 +130,11 @@ def test_real_model_loss_and_lora_gradients(smollm2_path):
     head = model.model.embed_tokens
     hidden = model.model(batch[:1, :-1])[0]
     targets = batch[0, 1:]
-    weight = np.array(mx.dequantize(head.weight, head.scales, head.biases, group_size=head.group_size, bits=head.bits))
+    weight = np.array(
+        mx.dequantize(
+            head.weight, head.scales, head.biases, group_size=head.group_size, bits=head.bits
+        )
+    )
     z = np.array(hidden).astype(np.float64) @ weight.astype(np.float64).T
     p = np.exp(z - z.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)

@@ -14,26 +14,51 @@ from mlx_lm.tuner.callbacks import TrainingCallback
 from mlx_lm.tuner.trainer import TrainingArgs, default_loss, evaluate, train
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import _get_classes
-from mlx_lm_ext.testing import TINY_VARIANTS
 
+from mlx_lm_ext.testing import TINY_VARIANTS
 from mlx_lm_flash_cce import loss as cce_loss
 from mlx_lm_flash_cce import make_loss
 
 FLASH = dict(impl="flash", token_chunk=32, vocab_chunk=4096, verbose=False)
 
 _BASE = dict(
-    hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=1000, rope_theta=10000.0,
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    vocab_size=1000,
+    rope_theta=10000.0,
 )
 # Architectures beyond the tiny fixtures, built in memory from configs.
 EXTRA = {
-    "gemma2": dict(model_type="gemma2", **_BASE, query_pre_attn_scalar=16,
-                   attn_logit_softcapping=50.0, final_logit_softcapping=3.0),
-    "cohere": dict(model_type="cohere", **{k: v for k, v in _BASE.items() if k not in ("head_dim", "rms_norm_eps")},
-                   layer_norm_eps=1e-5, logit_scale=0.5),
-    "granite": dict(model_type="granite", **_BASE, logits_scaling=4.0, embedding_multiplier=12.0,
-                    attention_multiplier=0.25, residual_multiplier=0.22, max_position_embeddings=2048,
-                    attention_bias=False, mlp_bias=False, tie_word_embeddings=False),
+    "gemma2": dict(
+        model_type="gemma2",
+        **_BASE,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=3.0,
+    ),
+    "cohere": dict(
+        model_type="cohere",
+        **{k: v for k, v in _BASE.items() if k not in ("head_dim", "rms_norm_eps")},
+        layer_norm_eps=1e-5,
+        logit_scale=0.5,
+    ),
+    "granite": dict(
+        model_type="granite",
+        **_BASE,
+        logits_scaling=4.0,
+        embedding_multiplier=12.0,
+        attention_multiplier=0.25,
+        residual_multiplier=0.22,
+        max_position_embeddings=2048,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+    ),
     "qwen2": dict(model_type="qwen2", **_BASE, tie_word_embeddings=False),
     "mistral": dict(model_type="mistral", **_BASE, tie_word_embeddings=False),
 }
@@ -105,7 +130,9 @@ def test_mask_matches_default_loss_exactly():
     batch, lengths = _batch(1000, seed=3)
     per_row = []
     for fn in (loss, default_loss):
-        per_row.append([fn(model, batch[i : i + 1], lengths[i : i + 1])[1].item() for i in range(3)])
+        per_row.append(
+            [fn(model, batch[i : i + 1], lengths[i : i + 1])[1].item() for i in range(3)]
+        )
     assert per_row[0] == per_row[1] == [40, 17, 25]
 
 
@@ -132,7 +159,9 @@ def test_lora_on_lm_head_gets_head_gradients():
     """lora_parameters keys can name lm_head: its LoRA factors train through flash-cce."""
     model = _extra_model("qwen2")
     model.freeze()
-    linear_to_lora_layers(model, 1, {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": ["lm_head", "self_attn.q_proj"]})
+    linear_to_lora_layers(
+        model, 1, {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": ["lm_head", "self_attn.q_proj"]}
+    )
     model.lm_head.lora_b = 0.05 * mx.random.normal(model.lm_head.lora_b.shape, key=mx.random.key(1))
     loss = _compare(model, 1000)
     _, grads = nn.value_and_grad(model, loss)(model, *_batch(1000))
@@ -157,10 +186,21 @@ def _train(model_path, loss_fn_for, adapter_file, iters=4):
     model, _ = load(model_path)
     model.freeze()
     linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
-    data = [(mx.random.randint(3, 49152, (n,), key=mx.random.key(n)).tolist(), 0) for n in (20, 31, 45, 12, 38, 27)]
+    data = [
+        (mx.random.randint(3, 49152, (n,), key=mx.random.key(n)).tolist(), 0)
+        for n in (20, 31, 45, 12, 38, 27)
+    ]
     record = _Record()
-    args = TrainingArgs(batch_size=2, iters=iters, val_batches=2, steps_per_report=1, steps_per_eval=iters,
-                        max_seq_length=64, adapter_file=str(adapter_file), steps_per_save=10**9)
+    args = TrainingArgs(
+        batch_size=2,
+        iters=iters,
+        val_batches=2,
+        steps_per_report=1,
+        steps_per_eval=iters,
+        max_seq_length=64,
+        adapter_file=str(adapter_file),
+        steps_per_save=10**9,
+    )
     opt = optim.Adam(learning_rate=1e-3)
     train(model, opt, data, data[:4], args=args, loss=loss_fn_for(model), training_callback=record)
     return record, evaluate(model, data[:4], batch_size=2, num_batches=2, loss=loss_fn_for(model))
@@ -173,5 +213,7 @@ def test_trainer_compiled_step_matches_default_loss(tiny_model, tmp_path):
     stock = _train(path, lambda m: default_loss, tmp_path / "stock.safetensors")
     (rec1, final1), (rec2, final2) = ours, stock
     assert len(rec1.train) == 4 and len(rec1.val) == 2
-    for a, b in zip(rec1.train + rec1.val + [final1], rec2.train + rec2.val + [final2]):
+    for a, b in zip(
+        rec1.train + rec1.val + [final1], rec2.train + rec2.val + [final2], strict=False
+    ):
         assert abs(a - b) <= 1e-4 * abs(b)

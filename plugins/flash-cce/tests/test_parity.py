@@ -53,14 +53,22 @@ def _value_and_grads(fn, hidden, weight):
     return value, gh, gw
 
 
-@pytest.mark.parametrize("n,h,v", [(1, 16, 100), (2, 16, 100), (3, 16, 100), (4, 16, 100), (37, 24, 301), (130, 40, 1000)])
-@pytest.mark.parametrize("cap", [{}, {"softcap": 5.0}, {"logit_scale": 0.25}, {"softcap": 3.0, "logit_scale": 2.0}])
+@pytest.mark.parametrize(
+    "n,h,v",
+    [(1, 16, 100), (2, 16, 100), (3, 16, 100), (4, 16, 100), (37, 24, 301), (130, 40, 1000)],
+)
+@pytest.mark.parametrize(
+    "cap", [{}, {"softcap": 5.0}, {"logit_scale": 0.25}, {"softcap": 3.0, "logit_scale": 2.0}]
+)
 @pytest.mark.parametrize("with_grad", [True, False])
 def test_dense_float32_matches_stock(n, h, v, cap, with_grad):
     hidden, weight, targets = _data(n, h, v)
     ours = _value_and_grads(
-        lambda x, w: linear_cross_entropy(x, w, targets, impl="flash", with_grad=with_grad, **SMALL, **cap),
-        hidden, weight,
+        lambda x, w: linear_cross_entropy(
+            x, w, targets, impl="flash", with_grad=with_grad, **SMALL, **cap
+        ),
+        hidden,
+        weight,
     )
     want = _value_and_grads(lambda x, w: _stock(x, w, targets, **cap), hidden, weight)
     assert near(ours[0], want[0], 1e-5)
@@ -73,9 +81,13 @@ def test_dense_float32_matches_stock(n, h, v, cap, with_grad):
 def test_ignore_index_and_reductions(reduction, impl):
     hidden, weight, targets = _data(45, 32, 257, seed=1)
     targets = mx.where(mx.arange(45) % 4 == 1, -100, targets)  # a quarter ignored
-    fn = lambda x, w: linear_cross_entropy(x, w, targets, ignore_index=-100, reduction=reduction, impl=impl, **SMALL)
+    fn = lambda x, w: linear_cross_entropy(
+        x, w, targets, ignore_index=-100, reduction=reduction, impl=impl, **SMALL
+    )
     ours = _value_and_grads(fn, hidden, weight)
-    want = _value_and_grads(lambda x, w: _stock(x, w, targets, reduction, ignore_index=-100), hidden, weight)
+    want = _value_and_grads(
+        lambda x, w: _stock(x, w, targets, reduction, ignore_index=-100), hidden, weight
+    )
     assert ours[0].shape == want[0].shape
     assert near(ours[0], want[0], 2e-5)
     assert near(ours[1], want[1], 1e-4)
@@ -86,7 +98,9 @@ def test_ignore_index_and_reductions(reduction, impl):
 
 def test_batched_shapes_and_bad_input():
     hidden, weight, targets = _data(24, 16, 99)
-    ours = linear_cross_entropy(hidden.reshape(2, 12, 16), weight, targets.reshape(2, 12), reduction="none", impl="flash")
+    ours = linear_cross_entropy(
+        hidden.reshape(2, 12, 16), weight, targets.reshape(2, 12), reduction="none", impl="flash"
+    )
     assert ours.shape == (2, 12)
     assert near(ours.reshape(-1), _stock(hidden, weight, targets, "none"), 1e-5)
     with pytest.raises(ValueError, match="targets shape"):
@@ -104,7 +118,11 @@ def test_batched_shapes_and_bad_input():
 def test_bfloat16_error_no_larger_than_stock(cap, n):
     """Against a float32 reference, flash-cce's error is at most stock's plus a small tolerance."""
     hidden, weight, targets = _data(n, 64, 517, dtype=mx.bfloat16, seed=2)
-    ref = _value_and_grads(lambda x, w: _stock(x, w, targets, **cap), hidden.astype(mx.float32), weight.astype(mx.float32))
+    ref = _value_and_grads(
+        lambda x, w: _stock(x, w, targets, **cap),
+        hidden.astype(mx.float32),
+        weight.astype(mx.float32),
+    )
 
     def stock_bf16(x, w):  # mlx's own loss in the model's dtype, as default_loss computes it
         z = x @ w.T
@@ -113,7 +131,11 @@ def test_bfloat16_error_no_larger_than_stock(cap, n):
         return nn.losses.cross_entropy(z, targets).astype(mx.float32).mean()
 
     stock = _value_and_grads(stock_bf16, hidden, weight)
-    ours = _value_and_grads(lambda x, w: linear_cross_entropy(x, w, targets, impl="flash", **SMALL, **cap), hidden, weight)
+    ours = _value_and_grads(
+        lambda x, w: linear_cross_entropy(x, w, targets, impl="flash", **SMALL, **cap),
+        hidden,
+        weight,
+    )
     assert ours[1].dtype == mx.bfloat16 and ours[2].dtype == mx.bfloat16
     for i, tol in ((0, 1e-3), (1, 1e-3), (2, 1e-3)):
         assert max_abs(ours[i], ref[i]) <= max_abs(stock[i], ref[i]) + tol
@@ -122,7 +144,8 @@ def test_bfloat16_error_no_larger_than_stock(cap, n):
 # --------------------------------------------------------------------- heads
 
 # Hidden 128, not 64: MLX 0.32.4's CUDA quantized_matmul is wrong when the
-# hidden size equals the group size (notes/flash-cce-gpu.md), which would
+# hidden size equals the group size (see "MLX on NVIDIA GPUs" in docs/architecture.md),
+# which would
 # break the stock reference on a GPU.
 H, V, N = 128, 300, 37
 
@@ -133,7 +156,9 @@ def _layer(kind):
         layer = nn.Linear(H, V, bias=True)
     elif kind.startswith("qlinear"):  # qlinear-<bits>-<group>[-<mode>]
         _, bits, group, *mode = kind.split("-")
-        layer = nn.QuantizedLinear.from_linear(nn.Linear(H, V, bias=False), int(group), int(bits), mode=(mode or ["affine"])[0])
+        layer = nn.QuantizedLinear.from_linear(
+            nn.Linear(H, V, bias=False), int(group), int(bits), mode=(mode or ["affine"])[0]
+        )
     elif kind == "embedding":
         layer = nn.Embedding(V, H).as_linear
     elif kind == "qembedding":
@@ -169,8 +194,18 @@ def _module(layer):
 
 
 HEADS = [
-    "linear", "qlinear-4-32", "qlinear-4-64", "qlinear-8-64", "qlinear-4-32-mxfp4", "embedding", "qembedding",
-    "lora-linear", "lora-qlinear", "lora-embedding", "dora", "callable",
+    "linear",
+    "qlinear-4-32",
+    "qlinear-4-64",
+    "qlinear-8-64",
+    "qlinear-4-32-mxfp4",
+    "embedding",
+    "qembedding",
+    "lora-linear",
+    "lora-qlinear",
+    "lora-embedding",
+    "dora",
+    "callable",
 ]
 
 
@@ -188,7 +223,14 @@ def test_heads_match_stock(kind, n, dequantize):
 
     def ours(x):
         return linear_cross_entropy(
-            x, layer, targets, impl="auto", min_flash_elements=0, softcap=6.0, dequantize=dequantize, **SMALL
+            x,
+            layer,
+            targets,
+            impl="auto",
+            min_flash_elements=0,
+            softcap=6.0,
+            dequantize=dequantize,
+            **SMALL,
         )
 
     def stock(x):
@@ -220,8 +262,10 @@ def test_larger_head_group_sizes():
         layer = nn.QuantizedLinear.from_linear(nn.Linear(256, 333, bias=False), 128, bits)
         hidden = mx.random.normal((21, 256))
         targets = mx.random.randint(0, 333, (21,))
-        fn1 = lambda x: linear_cross_entropy(x, layer, targets, impl="flash", **SMALL)
-        fn2 = lambda x: stock_ce(layer(x), targets).mean()
+        fn1 = lambda x, layer=layer, targets=targets: linear_cross_entropy(
+            x, layer, targets, impl="flash", **SMALL
+        )
+        fn2 = lambda x, layer=layer, targets=targets: stock_ce(layer(x), targets).mean()
         (v1, g1), (v2, g2) = mx.value_and_grad(fn1)(hidden), mx.value_and_grad(fn2)(hidden)
         assert near(v1, v2, 1e-5)
         assert near(g1, g2, 1e-4)
@@ -241,7 +285,13 @@ def test_filters_keep_the_loss_exact_and_gradients_close():
     weight = weight * 4  # peaked softmax: most coefficients are tiny
     want = _value_and_grads(lambda x, w: _stock(x, w, targets), hidden, weight)
     for opts in ({"filter_eps": 1e-4}, {"block_skip_eps": 1e-4}):
-        ours = _value_and_grads(lambda x, w: linear_cross_entropy(x, w, targets, impl="flash", **SMALL, **opts), hidden, weight)
+        ours = _value_and_grads(
+            lambda x, w, opts=opts: linear_cross_entropy(
+                x, w, targets, impl="flash", **SMALL, **opts
+            ),
+            hidden,
+            weight,
+        )
         assert near(ours[0], want[0], 1e-5)
         scale = mx.abs(want[1]).max().item()
         assert 0 < max_abs(ours[1], want[1]) <= 0.05 * scale  # approximate, but close
@@ -250,7 +300,9 @@ def test_filters_keep_the_loss_exact_and_gradients_close():
 # ------------------------------------------------------------------- memory
 
 
-@pytest.mark.skipif(ON_GPU, reason="GPU evaluation allocates ahead of execution: see the README's GPU table")
+@pytest.mark.skipif(
+    ON_GPU, reason="GPU evaluation allocates ahead of execution: see the README's GPU table"
+)
 def test_memory_is_bounded_by_blocks_not_logits():
     """Loss + gradient of flash-cce never holds [N, V]: peak << the logits' size."""
     n, h, v = 2048, 64, 8192
@@ -267,6 +319,10 @@ def test_memory_is_bounded_by_blocks_not_logits():
         return mx.get_peak_memory() - base
 
     stock = peak(lambda x: _stock(x, weight, targets))
-    flash = peak(lambda x: linear_cross_entropy(x, weight, targets, impl="flash", token_chunk=256, vocab_chunk=512))
+    flash = peak(
+        lambda x: linear_cross_entropy(
+            x, weight, targets, impl="flash", token_chunk=256, vocab_chunk=512
+        )
+    )
     assert stock > logits_bytes  # the stock loss materialises the logits (and more)
     assert flash < logits_bytes / 8

@@ -4,8 +4,8 @@ import argparse
 
 import mlx.core as mx
 import pytest
-from mlx_lm_ext import PluginError
 
+from mlx_lm_ext import PluginError
 from mlx_lm_flash_cce import plugin
 
 
@@ -29,10 +29,19 @@ def test_commands_and_flags_default_to_none():
 def test_options_apply_defaults_and_flags():
     opts = plugin.options_from(_parse())
     assert opts == {
-        "impl": "auto", "backend": "auto", "token_chunk": 256, "vocab_chunk": 0, "filter_eps": None,
-        "block_skip_eps": None, "min_flash_elements": None, "check": True, "memory_budget": None,
+        "impl": "auto",
+        "backend": "auto",
+        "token_chunk": 256,
+        "vocab_chunk": 0,
+        "filter_eps": None,
+        "block_skip_eps": None,
+        "min_flash_elements": None,
+        "check": True,
+        "memory_budget": None,
     }
-    opts = plugin.options_from(_parse("--cce-token-chunk", "256", "--cce-filter-eps", "1e-5", "--cce-no-check"))
+    opts = plugin.options_from(
+        _parse("--cce-token-chunk", "256", "--cce-filter-eps", "1e-5", "--cce-no-check")
+    )
     assert opts["token_chunk"] == 256 and opts["filter_eps"] == 1e-5 and opts["check"] is False
 
 
@@ -63,10 +72,10 @@ def test_make_loss_only_for_its_name(tiny_model):
     from mlx_lm.tuner.trainer import default_loss
 
     model, _ = load(str(tiny_model("llama")))
-    plugin.activate("lora", _parse("--cce-impl", "flash"))
+    opts = plugin.activate("lora", _parse("--cce-impl", "flash"))
     try:
-        assert plugin.make_loss("other-loss", model, None) is None
-        loss = plugin.make_loss("flash-cce", model, None)
+        assert plugin.make_loss("other-loss", model, None, opts) is None
+        loss = plugin.make_loss("flash-cce", model, None, opts)
         assert loss.flash and loss.arch == "llama"
         batch = mx.random.randint(0, 49152, (2, 9), key=mx.random.key(0))
         lengths = mx.array([[0, 8], [0, 5]])

@@ -78,7 +78,9 @@ def test_loss_issues_no_two_or_three_row_quantized_matmul(n, monkeypatch):
     # dequantize=False: the flash path's packed quantized matmuls (the GPU default)
     for impl in ("flash", "stock"):
         seen.clear()
-        fn = lambda h: linear_cross_entropy(h, layer, targets, impl=impl, dequantize=False)
+        fn = lambda h, impl=impl: linear_cross_entropy(
+            h, layer, targets, impl=impl, dequantize=False
+        )
         loss, grad = mx.value_and_grad(fn)(hidden)
         mx.eval(loss, grad)
         assert seen and not (set(seen) & {2, 3}), (impl, seen)

@@ -13,7 +13,7 @@ the counters of the parent class. The disk tier hooks in at three points:
 One deliberate difference: mlx-lm returns an exact memory hit with no tokens
 left to process, which makes generation raise ("empty prompt"). Here an exact
 hit is trimmed by one token (or, if it cannot be trimmed, a shorter entry is
-used), as the issue asks: at least one token is always left.
+used): at least one token is always left.
 """
 
 import copy
