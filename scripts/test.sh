@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/env.sh
+# Lint and format first: a finding fails the run before the long tests start.
+ruff check .
+ruff format --check .
 set +e
 python -m pytest -ra "$@"
 rc=$?
