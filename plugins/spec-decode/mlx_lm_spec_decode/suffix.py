@@ -338,10 +338,10 @@ _CORPORA: dict[tuple, SuffixCorpus] = {}
 
 def tokenizer_key(tokenizer: Any) -> Optional[str]:
     """A fingerprint of a tokenizer's vocabulary (None if it has none)."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
+    try:
+        items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    except Exception:  # no vocabulary to read: keyed by the vocabulary size
         return None
-    items = sorted(get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
 
 
@@ -425,7 +425,8 @@ class SuffixDrafter(Drafter):
     def _sources(self, ctx):
         cache = ctx.cache[0]
         yield "request", cache.candidates(), cache.follow, len(cache.tokens)
-        corpus = ctx.state.get("corpus") or self.corpus_of(ctx.model)
+        corpus = ctx.state.get("corpus")
+        corpus = corpus if corpus is not None else self.corpus_of(ctx.model)
         yield "corpus", corpus.candidates(cache.tokens), corpus.follow, None
 
     def draft(self, ctx: DraftContext, n: int) -> tuple[list[int], None]:
