@@ -11,6 +11,8 @@ Three paths compute the same loss:
   ``[token_chunk, V]`` logits live at once.
 """
 
+from typing import Any, Dict, Optional, Union
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -50,7 +52,13 @@ def _owner(head):
     return owner if isinstance(owner, nn.Module) else None
 
 
-def stock_per_token(head, hidden, targets, softcap=None, logit_scale=None):
+def stock_per_token(
+    head: heads.Head,
+    hidden: mx.array,
+    targets: mx.array,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+) -> mx.array:
     """Exact per-token loss through the full ``[N, V]`` logits (float32 softmax)."""
     x, rows = qmm.pad_rows(hidden)  # the head may be a quantized matmul
     if rows is not None:
@@ -59,7 +67,13 @@ def stock_per_token(head, hidden, targets, softcap=None, logit_scale=None):
     return ce if rows is None else ce[:rows]
 
 
-def native_per_token(head, hidden, targets, softcap=None, logit_scale=None):
+def native_per_token(
+    head: heads.Head,
+    hidden: mx.array,
+    targets: mx.array,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+) -> mx.array:
     """mlx-lm's stock loss: ``cross_entropy`` of the logits in the head's own dtype.
 
     What ``auto`` runs when it picks the stock-style head: the same math and
@@ -74,7 +88,14 @@ def native_per_token(head, hidden, targets, softcap=None, logit_scale=None):
     return ce if rows is None else ce[:rows]
 
 
-def chunked_per_token(head, hidden, targets, softcap=None, logit_scale=None, token_chunk=256):
+def chunked_per_token(
+    head: heads.Head,
+    hidden: mx.array,
+    targets: mx.array,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+    token_chunk: int = 256,
+) -> mx.array:
     """Exact per-token loss of a callable head, token chunk by token chunk."""
     call = head.module
     owner = _owner(call)
@@ -112,28 +133,28 @@ def _choose(impl, head, n_tok, opts_min):
 
 
 def linear_cross_entropy(
-    hidden,
-    head,
-    targets,
+    hidden: mx.array,
+    head: Any,
+    targets: mx.array,
     *,
-    softcap=None,
-    logit_scale=None,
-    ignore_index=None,
-    reduction="mean",
-    impl="auto",
-    backend="auto",
-    token_chunk=256,
-    vocab_chunk=0,
-    chunk_elements=1 << 18,
-    filter_eps=None,
-    block_skip_eps=None,
-    with_grad=True,
-    min_flash_elements=None,
-    dequantize=None,
-    train=None,
-    elementwise=None,
-    memory_budget=None,
-):
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+    ignore_index: Optional[int] = None,
+    reduction: str = "mean",
+    impl: str = "auto",
+    backend: str = "auto",
+    token_chunk: int = 256,
+    vocab_chunk: int = 0,
+    chunk_elements: int = 1 << 18,
+    filter_eps: Optional[float] = None,
+    block_skip_eps: Optional[float] = None,
+    with_grad: bool = True,
+    min_flash_elements: Optional[int] = None,
+    dequantize: Optional[bool] = None,
+    train: Optional[Dict[str, bool]] = None,
+    elementwise: Optional[str] = None,
+    memory_budget: Union[int, float, str, None] = None,
+) -> mx.array:
     """Cross-entropy of ``head(hidden)`` against ``targets`` without ``[N, V]`` logits.
 
     Equals ``nn.losses.cross_entropy(logits, targets)`` reduced by
@@ -252,7 +273,14 @@ def _candidate(impl, backend, spec, h, nbytes, opts):
     return autotune.Candidate("flash", backend, limit_mib=autotune.GPU_BLOCKS[0][2] if big else 0)
 
 
-def run_candidate(cand, spec, h, t, opts, train):
+def run_candidate(
+    cand: autotune.Candidate,
+    spec: heads.Head,
+    h: mx.array,
+    t: mx.array,
+    opts: portable.Options,
+    train: Optional[Dict[str, bool]],
+) -> mx.array:
     """Per-token loss ``[N]`` of ``spec`` on ``h`` by candidate path ``cand``."""
     if cand.impl == "stock":
         return native_per_token(spec, h, t, opts.softcap, opts.logit_scale)

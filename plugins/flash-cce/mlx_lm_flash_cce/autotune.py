@@ -38,12 +38,13 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
 from . import budget as _budget
 from . import heads as _heads
+from . import portable as _portable
 
 log = logging.getLogger("mlx_lm_flash_cce")
 
@@ -98,7 +99,7 @@ def device_name() -> str:
     return f"{'gpu' if dev == mx.gpu else 'cpu'}:{name}"
 
 
-def head_kind(spec) -> str:
+def head_kind(spec: _heads.Head) -> str:
     if spec.kind == "quantized":
         return f"q{spec.bits}-{spec.mode}-g{spec.group_size}"
     return spec.kind
@@ -176,12 +177,12 @@ def _cached(key: str) -> Optional[Choice]:
 # ------------------------------------------------------------- candidates
 
 
-def stock_bytes(n: int, vocab: int, dtype) -> int:
+def stock_bytes(n: int, vocab: int, dtype: mx.Dtype) -> int:
     """The stock loss's working memory: measured ~4 bytes a logit in bf16, 16 in float32."""
     return n * vocab * (16 if dtype.size >= 4 else 4)
 
 
-def floor_bytes(cand: Candidate, n: int, h: int, dtype) -> int:
+def floor_bytes(cand: Candidate, n: int, h: int, dtype: mx.Dtype) -> int:
     """A lower bound on a candidate's working memory (accumulators, outputs, two blocks)."""
     if cand.impl == "stock":
         return 0  # stock_bytes is checked separately
@@ -191,7 +192,7 @@ def floor_bytes(cand: Candidate, n: int, h: int, dtype) -> int:
     return acc
 
 
-def candidates(spec, n: int, h: int, dtype, include_stock: bool) -> list:
+def candidates(spec: _heads.Head, n: int, h: int, dtype: mx.Dtype, include_stock: bool) -> list:
     from . import backends, cuda
 
     out = [Candidate("stock")] if include_stock else []
@@ -264,7 +265,15 @@ def _measure(run, cand, hidden, warmup) -> Result:
     return Result(cand, 1e3 * dt, peak)
 
 
-def trial(cands, spec, n, h, dtype, nbytes, run_choice):
+def trial(
+    cands: List[Candidate],
+    spec: _heads.Head,
+    n: int,
+    h: int,
+    dtype: mx.Dtype,
+    nbytes: int,
+    run_choice: Callable[..., mx.array],
+) -> Tuple[List[Result], List[Candidate]]:
     """Time each candidate; return ``(results, failed)`` (results in trial order)."""
     hidden, head, targets = _synthetic(spec, n, h, dtype)
     warmup = 1 if _budget.is_async_gpu() else 0
@@ -313,7 +322,17 @@ def _stock_reference(n, vocab, dtype) -> bool:
     return 0 < stock_bytes(n, vocab, dtype) <= _budget.device_floor() // 3
 
 
-def decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock, strict=True) -> Choice:
+def decide(
+    spec: _heads.Head,
+    n: int,
+    h: int,
+    dtype: mx.Dtype,
+    nbytes: int,
+    opts: _portable.Options,
+    run_choice: Callable[..., mx.array],
+    include_stock: bool,
+    strict: bool = True,
+) -> Choice:
     """This process's choice: the only candidate that fits, or a trial's winner.
 
     ``strict``: the user set the budget, and a batch no path fits is an
@@ -454,7 +473,16 @@ def _rank() -> int:
     return 0 if group is None else group.rank()
 
 
-def choose(spec, n, h, dtype, nbytes, opts, run_choice, include_stock=True) -> Candidate:
+def choose(
+    spec: _heads.Head,
+    n: int,
+    h: int,
+    dtype: mx.Dtype,
+    nbytes: Optional[int],
+    opts: _portable.Options,
+    run_choice: Callable[..., mx.array],
+    include_stock: bool = True,
+) -> Candidate:
     """The path for this call: cached, or measured now.
 
     ``nbytes``: the memory budget (None: ``budget.default_for`` the batch).

@@ -12,9 +12,11 @@ with a bias or LoRA, the gradient filters). The pure-MLX ``"mlx"`` backend
 runs everywhere.
 """
 
+from typing import Callable, Dict, List, Optional
+
 import mlx.core as mx
 
-from . import cuda, cuda_gemm, portable
+from . import cuda, cuda_gemm, heads, portable
 
 # The pure-MLX path's blocks on a GPU when the caller sets none: big enough
 # that the device is not launch-bound (measured on the H200,
@@ -27,8 +29,13 @@ _REGISTRY = {}
 
 
 def register(
-    name, per_token, *, available=lambda: True, priority=0, supports=lambda head, opts: True
-):
+    name: str,
+    per_token: Callable[..., mx.array],
+    *,
+    available: Callable[[], bool] = lambda: True,
+    priority: int = 0,
+    supports: Callable[[heads.Head, portable.Options], bool] = lambda head, opts: True,
+) -> None:
     """Add a backend; ``supports(head, opts)`` can decline some heads/options."""
     _REGISTRY[name] = {
         "per_token": per_token,
@@ -38,11 +45,11 @@ def register(
     }
 
 
-def names():
+def names() -> List[str]:
     return sorted(_REGISTRY, key=lambda n: -_REGISTRY[n]["priority"])
 
 
-def available():
+def available() -> List[str]:
     out = []
     for name in names():
         try:
@@ -53,11 +60,11 @@ def available():
     return out
 
 
-def supports(name, head, opts):
+def supports(name: str, head: heads.Head, opts: portable.Options) -> bool:
     return _REGISTRY[name]["supports"](head, opts)
 
 
-def big_blocks(name, head, opts):
+def big_blocks(name: str, head: heads.Head, opts: portable.Options) -> bool:
     """Does ``name`` run big blocks that need MLX's backpressure (``budget``) on this device?"""
     if mx.default_device() != mx.gpu or not cuda_gemm.supports(head, opts):
         return False
@@ -66,7 +73,13 @@ def big_blocks(name, head, opts):
     return not opts.vocab_chunk or opts.token_chunk * opts.vocab_chunk >= BIG_BLOCK
 
 
-def mlx_per_token(head, hidden, targets, opts, train=None):
+def mlx_per_token(
+    head: heads.Head,
+    hidden: mx.array,
+    targets: mx.array,
+    opts: portable.Options,
+    train: Optional[Dict[str, bool]] = None,
+) -> mx.array:
     """The pure-MLX backend (MLX operations only, the path every GPU has).
 
     On the CPU: ``portable`` (small blocks; the CPU allocates only a few
@@ -85,7 +98,7 @@ def mlx_per_token(head, hidden, targets, opts, train=None):
     return cuda_gemm.per_token(head, hidden, targets, opts, train)
 
 
-def resolve(name, head, opts):
+def resolve(name: str, head: heads.Head, opts: portable.Options) -> Callable[..., mx.array]:
     """The ``per_token`` function for ``name`` (or the best for ``"auto"``)."""
     if name != "auto":
         if name not in _REGISTRY:

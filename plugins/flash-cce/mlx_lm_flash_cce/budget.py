@@ -16,7 +16,7 @@ deactivated (the end of ``mlx_lm.lora``) or ``release()`` is called.
 import contextlib
 import logging
 import re
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
@@ -38,7 +38,7 @@ MIN_BUDGET = 1 * MIB
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def parse_size(text) -> int:
+def parse_size(text: Union[int, float, str]) -> int:
     """Bytes in ``"512M"``, ``"1.5G"``, ``"64K"`` or ``"1048576"`` (K/M/G are powers of 1024)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if text < 0:
@@ -78,7 +78,7 @@ def device_floor() -> int:
     return int(DEVICE_SHARE * total)
 
 
-def resolve(budget) -> Optional[int]:
+def resolve(budget: Union[int, float, str, None]) -> Optional[int]:
     """The budget in bytes (None: the default, ``default_for`` the batch); below ``MIN_BUDGET`` is an error."""
     if budget is None:
         return None
@@ -125,7 +125,7 @@ class MemoryLimit:
     and an explicit ``--cce-memory-budget`` holds it at weights + budget.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.old: Optional[int] = None
         self.limit: Optional[int] = None
 

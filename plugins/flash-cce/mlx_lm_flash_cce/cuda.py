@@ -28,7 +28,7 @@ This module imports on any MLX; the kernels are built on first use, and
 
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -55,18 +55,20 @@ BITS = (4, 8)
 HEADER = (Path(__file__).with_name("cuda_kernels.cuh")).read_text()
 
 
-def available():
+def available() -> bool:
     """True where the default device is a GPU of MLX's CUDA backend."""
     cuda = getattr(mx, "cuda", None)
     return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
 
 
-def supports(head, opts):
+def supports(head: _heads.Head, opts: portable.Options) -> bool:
     """Heads the kernels take at all (dtypes and shapes are checked per call)."""
     return head.kind in ("dense", "quantized") and head.bias is None and not head.has_lora
 
 
-def unsupported(head, hidden, train=None):
+def unsupported(
+    head: _heads.Head, hidden: mx.array, train: Optional[Dict[str, bool]] = None
+) -> Optional[str]:
     """Why this call cannot run on the kernels (None: it can)."""
     if head.kind not in ("dense", "quantized"):
         return f"{head.kind} head"
@@ -139,14 +141,14 @@ def _kernel(kind, quantized):
     return _KERNELS[key]
 
 
-def fwd_splits(n_tok, vocab):
+def fwd_splits(n_tok: int, vocab: int) -> int:
     """Vocabulary splits of the forward grid: about 4 blocks per multiprocessor."""
     nbx = -(-n_tok // BM)
     nvb = -(-vocab // BN)
     return max(1, min(nvb, -(-4 * SMS // nbx)))
 
 
-def bwd_splits(n_tok, vocab):
+def bwd_splits(n_tok: int, vocab: int) -> int:
     """Vocabulary splits of the backward grid (one block per multiprocessor).
 
     The smallest split count that fills the machine to 90% in whole waves,
@@ -186,7 +188,9 @@ def _template(cfg, dtype):
     return t
 
 
-def forward(cfg, h, t, vals):
+def forward(
+    cfg: Config, h: mx.array, t: mx.array, vals: Tuple[mx.array, ...]
+) -> Tuple[mx.array, mx.array]:
     """``(ce, lse)`` per token, float32."""
     n_tok, vocab = h.shape[0], vals[0].shape[0]
     splits = fwd_splits(n_tok, vocab)
@@ -205,7 +209,14 @@ def forward(cfg, h, t, vals):
     return lse - zt, lse
 
 
-def backward(cfg, h, t, lse, dce, vals):
+def backward(
+    cfg: Config,
+    h: mx.array,
+    t: mx.array,
+    lse: mx.array,
+    dce: mx.array,
+    vals: Tuple[mx.array, ...],
+) -> mx.array:
     """Hidden-state gradient ``[N, H]`` (float32) for per-token cotangent ``dce``."""
     n_tok, vocab = h.shape[0], vals[0].shape[0]
     nbx = -(-n_tok // BM)
@@ -277,7 +288,13 @@ def _core(cfg):
     return core
 
 
-def per_token(head, hidden, targets, opts, train=None):
+def per_token(
+    head: _heads.Head,
+    hidden: mx.array,
+    targets: mx.array,
+    opts: portable.Options,
+    train: Optional[Dict[str, bool]] = None,
+) -> mx.array:
     """Backend entry (see ``backends``): the kernels, or the pure-MLX path."""
     reason = unsupported(head, hidden, train)
     if reason is not None:
@@ -297,7 +314,7 @@ def per_token(head, hidden, targets, opts, train=None):
     return _core(cfg)(hidden, targets.astype(mx.int32), *values)[0]
 
 
-def plan(head, hidden, train=None):
+def plan(head: Any, hidden: mx.array, train: Optional[Dict[str, bool]] = None) -> str:
     """``"cuda"`` or the reason for the pure-MLX fallback (for tests and logs)."""
     if not available():
         return "no CUDA GPU as the default device"

@@ -42,7 +42,7 @@ asked for anyway then takes the pure-MLX sweep with this backend's blocks.
 
 import contextlib
 import logging
-from typing import NamedTuple, Optional
+from typing import Callable, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -170,22 +170,22 @@ ROW_BODY = "cce_rows::online_step<T>(z, m, l, prm, z_shape[1], p, m_out, a_out, 
 _ROW_KERNEL = []
 
 
-def available():
+def available() -> bool:
     """Pure MLX plus an optional CUDA kernel: runs on any device."""
     return True
 
 
-def on_cuda():
+def on_cuda() -> bool:
     cuda = getattr(mx, "cuda", None)
     return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
 
 
-def supports(head, opts):
+def supports(head: _heads.Head, opts: portable.Options) -> bool:
     return head.kind in ("dense", "quantized") and head.bias is None and not head.has_lora
 
 
 @contextlib.contextmanager
-def bounded_memory(extra_mib):
+def bounded_memory(extra_mib: float) -> Iterator[None]:
     """``mx.set_memory_limit(active + extra_mib)`` for the ``with`` block: MLX's backpressure."""
     old = mx.set_memory_limit(int(mx.get_active_memory() + extra_mib * 2**20))
     try:
@@ -226,7 +226,13 @@ def _row_kernel():
     return _ROW_KERNEL[0]
 
 
-def kernel_step(z, m, l, softcap=None, logit_scale=None):
+def kernel_step(
+    z: mx.array,
+    m: mx.array,
+    l: mx.array,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
     """The CUDA row kernel: ``(z, m, l) -> (m', a, l', P)`` with ``P`` in ``z``'s dtype."""
     rows = z.shape[0]
     prm = mx.array(
@@ -247,7 +253,7 @@ def kernel_step(z, m, l, softcap=None, logit_scale=None):
     return m_new, a, l_new, p
 
 
-def mlx_step(cfg, lean=True):
+def mlx_step(cfg: Config, lean: bool = True) -> Callable[..., Tuple[mx.array, ...]]:
     """Compiled MLX version of ``kernel_step`` for ``cfg``'s soft cap and scale.
 
     ``lean`` (the pure-MLX GPU path): the block max is taken on the raw
@@ -440,7 +446,7 @@ def _core(cfg):
     return core
 
 
-def blocks(opts, n_tok, vocab):
+def blocks(opts: portable.Options, n_tok: int, vocab: int) -> Tuple[int, int]:
     """``(token_chunk, vocab_chunk)``: the caller's when it set ``vocab_chunk``, else 8192 x 8192."""
     if opts.vocab_chunk:
         nc, vc = opts.token_chunk, opts.vocab_chunk
@@ -449,7 +455,7 @@ def blocks(opts, n_tok, vocab):
     return max(1, min(nc, n_tok)), max(1, min(vc, vocab))
 
 
-def use_kernel(opts, dtype):
+def use_kernel(opts: portable.Options, dtype: mx.Dtype) -> bool:
     """The CUDA row kernel for the elementwise step? (``opts.elementwise``: auto/kernel/mlx)."""
     how = getattr(opts, "elementwise", None) or "auto"
     if how not in ELEMENTWISE:
@@ -464,7 +470,13 @@ def use_kernel(opts, dtype):
     return ok
 
 
-def per_token(head, hidden, targets, opts, train=None):
+def per_token(
+    head: _heads.Head,
+    hidden: mx.array,
+    targets: mx.array,
+    opts: portable.Options,
+    train: Optional[Dict[str, bool]] = None,
+) -> mx.array:
     """Backend entry (see ``backends``): big cuBLAS blocks, or the pure-MLX path."""
     if not supports(head, opts):
         log.debug(

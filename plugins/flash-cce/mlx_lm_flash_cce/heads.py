@@ -8,7 +8,7 @@ callable ``hidden -> logits`` (kind ``"module"``, handled by the generic
 token-chunked path).
 """
 
-from typing import NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,11 +35,11 @@ class Head(NamedTuple):
     vocab: int = 0
 
     @property
-    def quantized(self):
+    def quantized(self) -> bool:
         return self.kind == "quantized"
 
     @property
-    def has_lora(self):
+    def has_lora(self) -> bool:
         return self.lora_a is not None
 
 
@@ -77,7 +77,7 @@ def _base(module):
     return None
 
 
-def as_head(head):
+def as_head(head: Any) -> Head:
     """Normalise ``head`` into a ``Head``; raise ``TypeError`` for nonsense."""
     if isinstance(head, mx.array):
         if head.ndim != 2:
@@ -126,7 +126,7 @@ def as_head(head):
     return Head(kind="module", module=head)
 
 
-def head_arrays(head):
+def head_arrays(head: Head) -> Tuple[List[str], List[mx.array]]:
     """The arrays a kernel needs, in a fixed order, and the matching names."""
     names = ["weight"]
     if head.quantized:
@@ -140,13 +140,20 @@ def head_arrays(head):
     return names, [getattr(head, n) for n in names]
 
 
-def lora_input(head, hidden):
+def lora_input(head: Head, hidden: mx.array) -> mx.array:
     """``scale * dropout(hidden) @ a``: the low-rank activations, outside the kernel."""
     x = hidden if head.lora_dropout is None else head.lora_dropout(hidden)
     return head.lora_scale * (x @ head.lora_a)
 
 
-def matmul_rows(head, x, arrays, start=None, stop=None, transpose=True):
+def matmul_rows(
+    head: Head,
+    x: mx.array,
+    arrays: Dict[str, mx.array],
+    start: Optional[int] = None,
+    stop: Optional[int] = None,
+    transpose: bool = True,
+) -> mx.array:
     """``x @ W[start:stop].T`` (transpose) or ``x @ W[start:stop]``, dense or quantized.
 
     ``arrays`` maps names to the (possibly traced) head arrays. Quantized
@@ -170,7 +177,9 @@ def matmul_rows(head, x, arrays, start=None, stop=None, transpose=True):
     return x @ w.T if transpose else x @ w
 
 
-def gather_rows(head, arrays, index, dtype):
+def gather_rows(
+    head: Head, arrays: Dict[str, mx.array], index: Union[mx.array, slice], dtype: mx.Dtype
+) -> mx.array:
     """Rows ``W[index]`` as a dense ``[len(index), H]`` array of ``dtype``."""
     if head.quantized:
         biases = arrays["biases"][index] if "biases" in arrays else None
@@ -186,7 +195,7 @@ def gather_rows(head, arrays, index, dtype):
     return arrays["weight"][index].astype(dtype)
 
 
-def full_logits(head, hidden):
+def full_logits(head: Head, hidden: mx.array) -> mx.array:
     """The ``[N, V]`` logits ``head(hidden)`` (the stock-style exact path)."""
     if head.kind == "module":
         return head.module(hidden)

@@ -11,6 +11,7 @@ a warning, so a wrong guess costs memory, never correctness.
 """
 
 import logging
+from typing import Any, Callable, Dict, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,7 +31,7 @@ Arch, ARCHS, STANDARD = backbone.Arch, backbone.ARCHS, backbone.STANDARD
 arch_name, resolve = backbone.arch_name, backbone.resolve
 
 
-def stock_loss(model, batch, lengths):
+def stock_loss(model: Any, batch: mx.array, lengths: mx.array) -> Tuple[mx.array, mx.array]:
     """mlx-lm's ``default_loss`` (looked up at call time)."""
     from mlx_lm.tuner.trainer import default_loss
 
@@ -42,7 +43,7 @@ def _check_input(model, vocab):
     return mx.random.randint(0, vocab, (1, CHECK_TOKENS + 1), key=key)
 
 
-def self_check(model, arch, options):
+def self_check(model: Any, arch: Arch, options: Dict[str, Any]) -> Tuple[bool, float, str]:
     """Compare the decomposition with ``model(x)``; return ``(ok, max_error, message)``."""
     was_training = model.training
     model.eval()  # no dropout while comparing
@@ -94,7 +95,9 @@ def _sliceable(head):
         return False
 
 
-def make_loss(model, *, check=True, verbose=True, **options):
+def make_loss(
+    model: Any, *, check: bool = True, verbose: bool = True, **options: Any
+) -> Callable[..., Tuple[mx.array, mx.array]]:
     """A loss with ``default_loss``'s signature, mask and value, without ``[N, V]`` logits.
 
     ``options`` go to ``linear_cross_entropy`` (``token_chunk``,

@@ -18,6 +18,7 @@ defaults are applied in ``activate``):
 
 import argparse
 import logging
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mlx_lm_ext import PluginError, hookimpl
 
@@ -40,12 +41,12 @@ _handler = []
 
 
 @hookimpl
-def commands():
+def commands() -> List[str]:
     return ["lora"]
 
 
 @hookimpl
-def add_arguments(command, group):
+def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
     if command != "lora":
         return
     group.add_argument(
@@ -113,7 +114,7 @@ def add_arguments(command, group):
     )
 
 
-def options_from(args):
+def options_from(args: argparse.Namespace) -> Dict[str, Any]:
     """Validated ``make_loss`` keyword options from parsed flags (None -> default)."""
     get = lambda key: DEFAULTS[key] if getattr(args, key, None) is None else getattr(args, key)
     for key in ("cce_token_chunk", "cce_vocab_chunk", "cce_crossover"):
@@ -157,7 +158,7 @@ def options_from(args):
 
 
 @hookimpl
-def activate(command, args):
+def activate(command: str, args: argparse.Namespace) -> Any:
     options = options_from(args if args is not None else argparse.Namespace())
     if command == "lora" and not log.handlers:
         # mlx_lm.lora configures no logging: show the auto backend's one line.
@@ -170,7 +171,7 @@ def activate(command, args):
 
 
 @hookimpl
-def deactivate():
+def deactivate() -> None:
     from . import budget
 
     budget.LIMIT.release()  # the memory limit a GPU path held during training
@@ -179,7 +180,7 @@ def deactivate():
 
 
 @hookimpl
-def make_loss(name, model, args, options):
+def make_loss(name: str, model: Any, args: argparse.Namespace, options: Any) -> Optional[Callable]:
     if name != NAME:
         return None
     from .loss import make_loss as build
@@ -190,7 +191,7 @@ def make_loss(name, model, args, options):
 
 
 @hookimpl
-def doctor():
+def doctor() -> List[Tuple[str, str]]:
     import mlx.core as mx
 
     from . import backends, qmm

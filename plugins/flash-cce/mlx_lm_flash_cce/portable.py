@@ -26,7 +26,7 @@ blocks are alive at once. Tokens are processed in chunks, so a block is
 hidden]``.
 """
 
-from typing import NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 
@@ -72,7 +72,7 @@ class Static(NamedTuple):
     dequantize: bool
 
 
-def vocab_chunk_for(opts, n_tokens, vocab):
+def vocab_chunk_for(opts: Options, n_tokens: int, vocab: int) -> Tuple[int, int]:
     token_chunk = max(1, min(opts.token_chunk, n_tokens))
     if opts.vocab_chunk:
         vc = opts.vocab_chunk
@@ -82,7 +82,7 @@ def vocab_chunk_for(opts, n_tokens, vocab):
     return token_chunk, min(vc, vocab)
 
 
-def compute_dtype(opts, dtype):
+def compute_dtype(opts: Options, dtype: mx.Dtype) -> mx.Dtype:
     if opts.compute_dtype is not None:
         return opts.compute_dtype
     # The CPU has no fast half-precision matmul (and reduces in the input
@@ -92,7 +92,7 @@ def compute_dtype(opts, dtype):
     return dtype
 
 
-def cap(r, st):
+def cap(r: mx.array, st: Any) -> Tuple[mx.array, Union[mx.array, float, None]]:
     """Scaled, soft-capped logits of raw ``r`` and ``d logits / d r`` (None: 1)."""
     z, dz = r, None
     if st.logit_scale is not None:
@@ -109,7 +109,7 @@ def cap(r, st):
 _STEPS = {}
 
 
-def online_step(st, float32_in=False):
+def online_step(st: Any, float32_in: bool = False) -> Callable[..., Tuple[mx.array, ...]]:
     """Compiled block update ``(r, m, l) -> (m', a, l', coef)``.
 
     ``r`` are a block's raw logits; ``m``, ``l`` the running max and sum;
@@ -313,7 +313,16 @@ def _forward(st, h, t, u, arrays):
     return outs
 
 
-def sweep(st, h, t, u, arrays, lse, dce, need_dh):
+def sweep(
+    st: Static,
+    h: mx.array,
+    t: mx.array,
+    u: mx.array,
+    arrays: Dict[str, mx.array],
+    lse: mx.array,
+    dce: mx.array,
+    need_dh: bool,
+) -> Tuple[Optional[mx.array], Optional[mx.array], Optional[mx.array]]:
     """Second sweep: exact gradients that need the final log-sum-exp.
 
     Returns ``(dh, du, dhead)`` where ``dhead`` is ``[V, parts]`` over the
@@ -424,7 +433,13 @@ def _core(st):
     return core
 
 
-def per_token(head, hidden, targets, opts, train=None):
+def per_token(
+    head: _heads.Head,
+    hidden: mx.array,
+    targets: mx.array,
+    opts: Options,
+    train: Optional[Dict[str, bool]] = None,
+) -> mx.array:
     """Per-token cross-entropy ``[N]`` (float32) of ``head(hidden)`` vs ``targets``.
 
     ``hidden`` is ``[N, H]``, ``targets`` ``[N]`` integer ids in ``[0, V)``.

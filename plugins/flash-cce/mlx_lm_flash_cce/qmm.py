@@ -9,13 +9,15 @@ Rows of a matmul are independent, so the real rows are unchanged and the pad
 rows' cotangents are exactly zero.
 """
 
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
 import mlx.core as mx
 
 BUGGY_ROWS = (2, 3)
 PAD_ROWS = 4
 
 
-def pad_rows(x):
+def pad_rows(x: mx.array) -> Tuple[mx.array, Optional[int]]:
     """``(x padded to 4 rows, original row count)``; unchanged unless 2 or 3 rows."""
     rows = x.shape[-2] if x.ndim >= 2 else 1
     if x.ndim < 2 or rows not in BUGGY_ROWS:
@@ -25,7 +27,17 @@ def pad_rows(x):
     return mx.pad(x, widths), rows
 
 
-def quantized_matmul(x, w, scales, biases, *, transpose, group_size, bits, mode="affine"):
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: Optional[mx.array],
+    *,
+    transpose: bool,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+) -> mx.array:
     """``mx.quantized_matmul`` that never runs with 2 or 3 rows."""
     x, rows = pad_rows(x)
     out = mx.quantized_matmul(
@@ -36,7 +48,14 @@ def quantized_matmul(x, w, scales, biases, *, transpose, group_size, bits, mode=
     return out
 
 
-def probe(rows=BUGGY_ROWS, dims=256, out_dims=512, group_size=64, bits=4, stream=None):
+def probe(
+    rows: Sequence[int] = BUGGY_ROWS,
+    dims: int = 256,
+    out_dims: int = 512,
+    group_size: int = 64,
+    bits: int = 4,
+    stream: Union[mx.Stream, mx.Device, None] = None,
+) -> Dict[str, Any]:
     """Check this machine's ``quantized_matmul(transpose=False)`` at 2 and 3 rows.
 
     Compares the raw call (no padding) against the same product with a
