@@ -38,56 +38,19 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
 from . import budget as _budget
 from . import heads as _heads
 from . import portable as _portable
+from . import ranks
+from .candidate import GPU_BLOCKS, MIB, Candidate, Choice, Result  # noqa: F401 (re-exported)
 
 log = logging.getLogger("mlx_lm_flash_cce")
 
-MIB = 1 << 20
 CACHE_VERSION = 1
-# Big-block configurations for a GPU: (tokens, vocabulary rows, limit MiB
-# above the inputs): the fastest, and the one of least memory. On the H200
-# (benchmarks/results/flash-cce-h200.md) 4096 x 8192 was never the best of
-# the three, and each configuration the trial runs costs kernel compiles.
-GPU_BLOCKS = ((8192, 16384, 1024), (2048, 8192, 128))
-
-
-class Candidate(NamedTuple):
-    impl: str  # "stock" | "flash"
-    backend: str = ""  # flash backend: "mlx", "cuda-gemm", "cuda"
-    token_chunk: int = 0  # 0: the backend's own blocks
-    vocab_chunk: int = 0
-    limit_mib: int = 0  # mx.set_memory_limit headroom above the inputs (0: none)
-    last_resort: bool = False  # tried only when nothing else fits the budget
-
-    @property
-    def label(self) -> str:
-        if self.impl == "stock":
-            return "stock"
-        out = self.backend
-        if self.vocab_chunk:
-            out += f" {self.token_chunk}x{self.vocab_chunk}"
-        if self.limit_mib:
-            out += f" +{self.limit_mib}M"
-        return out
-
-
-class Result(NamedTuple):
-    candidate: Candidate
-    ms: float
-    peak: int  # bytes above the inputs
-
-
-class Choice(NamedTuple):
-    candidate: Candidate
-    ms: float
-    peak: int
-    line: str  # the log line of the trial that made it
 
 
 def device_name() -> str:
@@ -423,54 +386,7 @@ def decide(
     return Choice(win.candidate, win.ms, win.peak, line)
 
 
-_BACKENDS = ("", "mlx", "cuda-gemm", "cuda")  # how a candidate travels between ranks
 _DP = []  # the one choice of a data-parallel run
-
-
-def _group():
-    if not mx.distributed.is_available():
-        return None
-    group = mx.distributed.init()
-    return group if group.size() > 1 else None
-
-
-def _encode(cand: Optional[Candidate]) -> list:
-    if cand is None:
-        return [-1, 0, 0, 0, 0, 0]
-    return [
-        int(cand.impl == "flash"),
-        _BACKENDS.index(cand.backend),
-        cand.token_chunk,
-        cand.vocab_chunk,
-        cand.limit_mib,
-        int(cand.last_resort),
-    ]
-
-
-def _decode(code: list) -> Optional[Candidate]:
-    if code[0] < 0:
-        return None
-    return Candidate(
-        "flash" if code[0] else "stock",
-        _BACKENDS[code[1]],
-        code[2],
-        code[3],
-        code[4],
-        bool(code[5]),
-    )
-
-
-def _agree(group, cand: Optional[Candidate]) -> Optional[Candidate]:
-    """Rank 0's candidate on every rank (None: rank 0 found none)."""
-    mine = _encode(cand) if group.rank() == 0 else [0] * 6
-    total = mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group)
-    mx.eval(total)
-    return _decode([int(x) for x in total.tolist()])
-
-
-def _rank() -> int:
-    group = _group()
-    return 0 if group is None else group.rank()
 
 
 def choose(
@@ -501,12 +417,12 @@ def choose(
     key = _key(spec, n, h, dtype, nbytes, opts)
     if key in _MEMORY:
         return _MEMORY[key].candidate
-    group = _group()
+    group = ranks.group()
     if group is not None and _DP:
         return _DP[0]
     cands = candidates(spec, n, h, dtype, include_stock)
     choice, error = None, None
-    if _rank() == 0:
+    if ranks.rank() == 0:
         choice = _cached(key)
         if choice is not None and choice.candidate not in cands + [Candidate("flash", "mlx")]:
             choice = None  # written by a version with other candidates
@@ -535,7 +451,9 @@ def choose(
                 choice.line.split("; trial")[0] if choice.line else choice.candidate.label,
             )
     if group is not None:
-        agreed = _agree(group, choice.candidate if choice is not None and error is None else None)
+        agreed = ranks.agree(
+            group, choice.candidate if choice is not None and error is None else None
+        )
         if agreed is None:
             raise (
                 error
