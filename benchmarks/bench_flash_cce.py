@@ -148,8 +148,6 @@ def _head_row(a, rows, n, v, h, dtype):
             mx.set_memory_limit(old_limit)
     rows.append(result)
     print_heads([result], header=len(rows) == 1)
-    gc.collect()
-    mx.clear_cache()
 
 
 def run_heads(a, rows):
@@ -333,8 +331,6 @@ def _gpu_rows(a, rows, quantized, n, v, h, frozen):
             flush=True,
         )
     if a.skip_fused:
-        gc.collect()
-        mx.clear_cache()
         return
     try:
         fwd = _time_only(
@@ -364,8 +360,6 @@ def _gpu_rows(a, rows, quantized, n, v, h, frozen):
         f"{n:>5} {v:>7} {h:>5} {kind:>5} {'fused fwd only':>14} | {fwd * 1e3:7.1f} {fwd / base[0]:7.2f} |",
         flush=True,
     )
-    gc.collect()
-    mx.clear_cache()
 
 
 def run_gpu_table(a, rows):
@@ -522,8 +516,6 @@ def _auto_rows(a, rows, kind, quantized, n, v, h, dtype, frozen, here):
             f"{'':>26} trial (first call) {first:.2f} s; {lines[-1] if lines else ''}",
             flush=True,
         )
-    gc.collect()
-    mx.clear_cache()
 
 
 def run_auto_table(a, rows):

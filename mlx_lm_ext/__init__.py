@@ -22,12 +22,16 @@ def enable(name: str, **options: object) -> object:
     command-line defaults. Raises ``PluginError`` for an unknown plugin or a
     bad option.
     """
-    import os
+    import logging
 
     from . import _boot, integration
 
-    if os.environ.get("MLX_LM_EXT_DISABLE", "") in ("", "0"):
-        _boot.install()  # where no .pth ran (python -S, embedded interpreters)
+    if _boot.disabled():  # the variable always wins
+        logging.getLogger("mlx_lm_ext").warning(
+            "mlx-lm-ext: MLX_LM_EXT_DISABLE is set; plugin '%s' not enabled", name
+        )
+        return None
+    _boot.install()  # where no .pth ran (python -S, embedded interpreters)
     return integration.enable(name, **options)
 
 

@@ -98,7 +98,12 @@ def active() -> bool:
     return any(isinstance(f, _Finder) for f in sys.meta_path)
 
 
-if os.environ.get("MLX_LM_EXT_DISABLE", "") in ("", "0"):
+def disabled() -> bool:
+    """``MLX_LM_EXT_DISABLE`` set to anything but empty or 0: leave mlx-lm alone."""
+    return os.environ.get("MLX_LM_EXT_DISABLE", "") not in ("", "0")
+
+
+if not disabled():
     try:
         install()
     except Exception:  # never break an interpreter's start-up

@@ -114,12 +114,7 @@ def activate_cli(names: Iterable[str], command: str, args: argparse.Namespace) -
 
 
 def enable(name: str, **options: Any) -> Any:
-    """Python API (``mlx_lm_ext.enable``); ``MLX_LM_EXT_DISABLE=1`` wins."""
-    import os
-
-    if os.environ.get("MLX_LM_EXT_DISABLE", "") not in ("", "0"):
-        log.warning("mlx-lm-ext: MLX_LM_EXT_DISABLE is set; plugin '%s' not enabled", name)
-        return None
+    """Python API (``mlx_lm_ext.enable``, which has checked ``MLX_LM_EXT_DISABLE``)."""
     args = plugins.python_args(name, options)
     plugin = plugins.activate(name, "python", args)
     # Every plugin enabled from Python adds its options to one namespace.
@@ -272,10 +267,6 @@ NEEDS = {
 }
 
 
-def _implements(hookname):
-    return plugins.implements(hookname, list(STATE.active))
-
-
 def on_activate(command: str) -> None:
     """Install what the active plugins need, once.
 
@@ -283,23 +274,27 @@ def on_activate(command: str) -> None:
     from user code: then each module's patches go in as soon as mlx-lm's
     module is imported (see ``patch``).
     """
-    if _implements("speculative_generate_step"):
+    if plugins.active_implements("speculative_generate_step"):
         _install_dispatcher()
-    if command == "generate" and (_implements("make_drafter") or _implements("report_lines")):
+    if command == "generate" and (
+        plugins.active_implements("make_drafter") or plugins.active_implements("report_lines")
+    ):
         _install_generate()
     if command == "server" or (command == "python" and "mlx_lm.server" in sys.modules):
-        if _implements("make_prompt_cache"):
+        if plugins.active_implements("make_prompt_cache"):
             serving.install_prompt_cache()
-        if (command == "server" and _implements("make_drafter")) or _implements("model_loaded"):
+        if (
+            command == "server" and plugins.active_implements("make_drafter")
+        ) or plugins.active_implements("model_loaded"):
             serving.install_model_hook()
-        if _implements("usage_fields") or _implements("report_lines"):
+        if plugins.active_implements("usage_fields") or plugins.active_implements("report_lines"):
             serving.install_requests()
 
 
 def on_deactivate() -> None:
     """Undo what no active plugin needs any more (Python API)."""
     for owner, hooknames in NEEDS.items():
-        if not any(_implements(h) for h in hooknames):
+        if not any(plugins.active_implements(h) for h in hooknames):
             patching.undo(owner)
     if not STATE.active:
         STATE.args.pop("python", None)

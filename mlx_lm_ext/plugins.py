@@ -6,6 +6,7 @@ nothing and changes nothing.
 """
 
 import argparse
+import functools
 import importlib.metadata
 import logging
 import sys
@@ -196,19 +197,30 @@ def activate(name: str, command: str, args: argparse.Namespace) -> Any:
     return plugin
 
 
+def _active_calls(hookname: str, kwargs: Dict[str, Any]):
+    """``(name, call)`` for each active plugin implementing ``hookname``, in
+    activation order; each call passes that plugin's own options."""
+    impls = {impl.plugin: impl for impl in getattr(manager().hook, hookname).get_hookimpls()}
+    for name, entry in list(STATE.active.items()):
+        impl = impls.get(entry.plugin)
+        if impl is not None:
+            args = dict(kwargs, options=entry.options)
+            yield (
+                name,
+                functools.partial(
+                    impl.function, **{k: args[k] for k in impl.argnames if k in args}
+                ),
+            )
+
+
 def first(hookname: str, **kwargs: Any) -> Any:
     """The first non-None result of ``hookname`` among the active plugins.
 
     Each plugin gets its own validated options as ``options`` (if its
     implementation takes them); plugins are asked in activation order.
     """
-    impls = {impl.plugin: impl for impl in getattr(manager().hook, hookname).get_hookimpls()}
-    for entry in list(STATE.active.values()):
-        impl = impls.get(entry.plugin)
-        if impl is None:
-            continue
-        args = dict(kwargs, options=entry.options)
-        result = impl.function(**{k: args[k] for k in impl.argnames if k in args})
+    for _, call in _active_calls(hookname, kwargs):
+        result = call()
         if result is not None:
             return result
     return None
@@ -219,21 +231,21 @@ def collect(hookname: str, **kwargs: Any) -> List[Any]:
 
     A plugin that raises costs only its own result (logged), never the caller.
     """
-    impls = {impl.plugin: impl for impl in getattr(manager().hook, hookname).get_hookimpls()}
     out = []
-    for name, entry in list(STATE.active.items()):
-        impl = impls.get(entry.plugin)
-        if impl is None:
-            continue
-        args = dict(kwargs, options=entry.options)
+    for name, call in _active_calls(hookname, kwargs):
         try:
-            result = impl.function(**{k: args[k] for k in impl.argnames if k in args})
+            result = call()
         except Exception as e:
             log.warning("plugin '%s' failed in %s: %s", name, hookname, e)
             continue
         if result is not None:
             out.append(result)
     return out
+
+
+def active_implements(hookname: str) -> bool:
+    """Whether an active plugin implements ``hookname``."""
+    return implements(hookname, list(STATE.active))
 
 
 def active() -> Dict[str, argparse.Namespace]:

@@ -23,10 +23,6 @@ log = logging.getLogger("mlx_lm_ext")
 STATE = plugins.STATE
 
 
-def _implements(hookname):
-    return plugins.implements(hookname, list(STATE.active))
-
-
 def install_prompt_cache() -> None:
     """``mlx_lm.server.LRUPromptCache`` becomes a subclass that asks the plugins.
 
@@ -87,7 +83,7 @@ def install_model_hook() -> None:
                 draft_model=self.draft_model,
                 tokenizer=self.tokenizer,
             )
-            if command != "server" or not _implements("make_drafter"):
+            if command != "server" or not plugins.active_implements("make_drafter"):
                 return result
             try:
                 drafter = plugins.first(

@@ -60,11 +60,9 @@ def stock_per_token(
     logit_scale: Optional[float] = None,
 ) -> mx.array:
     """Exact per-token loss through the full ``[N, V]`` logits (float32 softmax)."""
-    x, rows = qmm.pad_rows(hidden)  # the head may be a quantized matmul
-    if rows is not None:
-        targets = mx.pad(targets, [(0, x.shape[0] - rows)])
-    ce = _ce_from_logits(heads.full_logits(head, x), targets, softcap, logit_scale)
-    return ce if rows is None else ce[:rows]
+    return _full_logits_loss(
+        head, hidden, targets, lambda z, t: _ce_from_logits(z, t, softcap, logit_scale)
+    )
 
 
 def native_per_token(
@@ -81,10 +79,17 @@ def native_per_token(
     """
     if softcap is not None or logit_scale is not None:
         return stock_per_token(head, hidden, targets, softcap, logit_scale)
-    x, rows = qmm.pad_rows(hidden)
+    return _full_logits_loss(
+        head, hidden, targets, lambda z, t: nn.losses.cross_entropy(z, t).astype(mx.float32)
+    )
+
+
+def _full_logits_loss(head, hidden, targets, per_token):
+    """``per_token(logits, targets)`` over the full logits, rows padded for the head."""
+    x, rows = qmm.pad_rows(hidden)  # the head may be a quantized matmul
     if rows is not None:
         targets = mx.pad(targets, [(0, x.shape[0] - rows)])
-    ce = nn.losses.cross_entropy(heads.full_logits(head, x), targets).astype(mx.float32)
+    ce = per_token(heads.full_logits(head, x), targets)
     return ce if rows is None else ce[:rows]
 
 

@@ -53,6 +53,9 @@ base class that meets it by proposing nothing, to subclass.
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Protocol, runtime_checkable
 
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
 
 @dataclass
 class DraftContext:
@@ -121,3 +124,49 @@ class Drafter:
 
     def flush(self, ctx: DraftContext) -> None:
         pass
+
+
+class TokenHistory(_BaseCache):
+    """A drafter's cache that is a token history plus an index ``extend`` builds.
+
+    It rides in the prompt cache after the model's caches; mlx-lm's cache
+    interface and the stored state (the history as int32) follow from the
+    history alone. Subclasses define ``reset`` (empty history and index),
+    ``extend`` and ``trim``.
+    """
+
+    tokens: List[int]
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def extend(self, tokens: List[int]) -> None:
+        raise NotImplementedError
+
+    @property
+    def offset(self) -> int:
+        return len(self.tokens)
+
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def empty(self) -> bool:
+        return not self.tokens
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def state(self) -> mx.array:
+        return mx.array(self.tokens, dtype=mx.int32)
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        self.reset()
+        self.extend(v.tolist() if isinstance(v, mx.array) else v)
+
+    @staticmethod
+    def check_history(state: Any, what: str) -> None:
+        """A stored history may come from an untrusted file: one int32 row only."""
+        if isinstance(state, mx.array) and (state.ndim != 1 or state.dtype != mx.int32):
+            raise ValueError(f"{what} history of shape {state.shape} and {state.dtype}")

@@ -10,13 +10,10 @@ n-gram length, and an undo log makes ``trim`` exact.
 
 from typing import Any
 
-import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
-
-from .drafter import DraftContext, Drafter
+from .drafter import DraftContext, Drafter, TokenHistory
 
 
-class NGramCache(_BaseCache):
+class NGramCache(TokenHistory):
     """Token history plus ``{n-gram: position after its latest occurrence}``."""
 
     def __init__(self, n_min: int = 2, n_max: int = 4):
@@ -24,6 +21,9 @@ class NGramCache(_BaseCache):
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {n_min}, {n_max}")
         self.n_min = n_min
         self.n_max = n_max
+        self.reset()
+
+    def reset(self) -> None:
         self.tokens = []
         self.index = {}
         # One entry per position: the index values it replaced, for trim().
@@ -67,19 +67,6 @@ class NGramCache(_BaseCache):
         return self.copy(start, n_tokens) if n else []
 
     # -- mlx-lm cache interface (trim, copy, size, save) -----------------------
-    @property
-    def offset(self):
-        return len(self.tokens)
-
-    def size(self):
-        return len(self.tokens)
-
-    def empty(self):
-        return not self.tokens
-
-    def is_trimmable(self) -> bool:
-        return True
-
     def trim(self, n: int) -> int:
         n = min(n, len(self.tokens))
         for _ in range(n):
@@ -98,15 +85,6 @@ class NGramCache(_BaseCache):
         return 4 * len(self.tokens) * (2 + self.n_max - self.n_min)
 
     @property
-    def state(self):
-        return mx.array(self.tokens, dtype=mx.int32)
-
-    @state.setter
-    def state(self, v):
-        self.tokens, self.index, self.undo = [], {}, []
-        self.extend(v.tolist() if isinstance(v, mx.array) else v)
-
-    @property
     def meta_state(self):
         return (str(self.n_min), str(self.n_max))
 
@@ -121,8 +99,7 @@ class NGramCache(_BaseCache):
         n_min, n_max = int(meta_state[0]), int(meta_state[1])
         if n_max > cls.MAX_N:
             raise ValueError(f"ngram_max {n_max} is over {cls.MAX_N}")
-        if isinstance(state, mx.array) and (state.ndim != 1 or state.dtype != mx.int32):
-            raise ValueError(f"n-gram history of shape {state.shape} and {state.dtype}")
+        cls.check_history(state, "n-gram")
         obj = cls(n_min, n_max)
         obj.state = state
         return obj

@@ -33,11 +33,9 @@ import logging
 import weakref
 from typing import Any, Callable, Optional
 
-import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import _BaseCache
 
-from .drafter import DraftContext, Drafter
+from .drafter import DraftContext, Drafter, TokenHistory
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
@@ -111,7 +109,7 @@ def chain_draft(
 # ------------------------------------------------------------ the request
 
 
-class SuffixCache(_BaseCache):
+class SuffixCache(TokenHistory):
     """One request's token history and its chains: ``head[key]`` is the
     newest position whose ``K`` preceding tokens are ``key``, ``prev[pos]``
     the one before it (``-1``: none)."""
@@ -120,6 +118,9 @@ class SuffixCache(_BaseCache):
         if k < 1:
             raise ValueError(f"suffix key length must be >= 1, got {k}")
         self.k = k
+        self.reset()
+
+    def reset(self) -> None:
         self.tokens: list[int] = []
         self.prev: list[int] = []
         self.head: dict[tuple, int] = {}
@@ -154,19 +155,6 @@ class SuffixCache(_BaseCache):
         return self.tokens[q] if q < len(self.tokens) else None
 
     # -- mlx-lm cache interface (trim, copy, size, save) -----------------------
-    @property
-    def offset(self):
-        return len(self.tokens)
-
-    def size(self):
-        return len(self.tokens)
-
-    def empty(self):
-        return not self.tokens
-
-    def is_trimmable(self) -> bool:
-        return True
-
     def trim(self, n: int) -> int:
         n = min(n, len(self.tokens))
         toks, prev, head, k = self.tokens, self.prev, self.head, self.k
@@ -186,15 +174,6 @@ class SuffixCache(_BaseCache):
         return 4 * len(self.tokens) * 3  # ids, chain links, keys: the data, not Python's objects
 
     @property
-    def state(self):
-        return mx.array(self.tokens, dtype=mx.int32)
-
-    @state.setter
-    def state(self, v):
-        self.tokens, self.prev, self.head = [], [], {}
-        self.extend(v.tolist() if isinstance(v, mx.array) else v)
-
-    @property
     def meta_state(self):
         return (str(self.k),)
 
@@ -209,8 +188,7 @@ class SuffixCache(_BaseCache):
         k = int(meta_state[0])
         if not 1 <= k <= cls.MAX_K:
             raise ValueError(f"suffix key length {k} is out of 1..{cls.MAX_K}")
-        if isinstance(state, mx.array) and (state.ndim != 1 or state.dtype != mx.int32):
-            raise ValueError(f"suffix history of shape {state.shape} and {state.dtype}")
+        cls.check_history(state, "suffix")
         obj = cls(k)
         obj.state = state
         return obj

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-PROMPT = "Repeat exactly: " + "one two three four five six seven eight nine ten. " * 2
-PROMPT = PROMPT.rstrip()
+PROMPT = "Repeat exactly: " + " ".join(["one two three four five six seven eight nine ten."] * 2)
 
 
 def run_generate(model, *extra):
