@@ -178,6 +178,48 @@ def report_lines(command: str, source: Any) -> Optional[List[str]]:
 
 
 @hookspec
+def request_finished(info: Dict[str, Any]) -> None:
+    """A server request ended (answered, failed, or its client went away).
+
+    ``info`` is the request's dict (see ``usage_fields``; empty when the
+    request never reached generation). Called on the request's HTTP handler
+    thread, after the response was written: a plugin folds the request's
+    figures into the totals its ``metrics`` reports. Must be cheap; a plugin
+    that raises costs only itself. Only while the status routes are on
+    (``--no-status`` turns them off).
+    """
+
+
+@hookspec
+def metrics(prompt_cache: Any, options: Any) -> Optional[List[Any]]:
+    """Return this plugin's series for ``GET /metrics`` and ``/status``, or ``None``.
+
+    A list of ``prometheus_client`` metric families
+    (``prometheus_client.core.CounterMetricFamily``, ``GaugeMetricFamily``,
+    ``HistogramMetricFamily``), built fresh on each call from the plugin's
+    own counters. Names start with the plugin's prefix (``mlx_lm_ssd_cache_``)
+    and must not repeat the host's (``mlx_lm_``...). ``prompt_cache`` is the
+    server's prompt cache (what ``make_prompt_cache`` returned, or mlx-lm's
+    own). Called on an HTTP handler thread or the status sampler thread, so
+    read shared counters under the plugin's own lock. A plugin that raises,
+    or returns something that is not a list of families, loses only its own
+    series (the page shows why); the host's series and other plugins' stay.
+    """
+
+
+@hookspec
+def status_charts() -> Optional[List[Tuple[str, str, str]]]:
+    """Return trends for the status page: ``[(title, numerator, denominator)]``.
+
+    ``numerator`` and ``denominator`` are sample names of counters this
+    plugin reports in ``metrics`` (e.g. ``"mlx_lm_spec_decode_accepted_total"``
+    over ``"mlx_lm_spec_decode_drafted_total"``); the page draws their
+    increase over each sampling interval as a ratio. An empty ``denominator``
+    draws the numerator's rate per second instead.
+    """
+
+
+@hookspec
 def add_subcommands(subparsers: Any) -> None:
     """Add subcommands to the ``mlx-lm-ext`` command.
 
