@@ -122,7 +122,31 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
-// acc[32 x 64] += A[32 x 64] * B[64 x 64]^T, A and B row-major with the
+// B fragments of four 16-column groups from one ldmatrix.x4 each.
+__device__ __forceinline__ void split_b(uint32_t (&b)[8][2], int nj, const uint32_t (&r)[4]) {
+  b[2 * nj][0] = r[0];
+  b[2 * nj][1] = r[1];
+  b[2 * nj + 1][0] = r[2];
+  b[2 * nj + 1][1] = r[3];
+}
+
+// acc[32 x 64] += a[2 x m16] * b[8 x n8], one k16 step of a warp's tile.
+template <typename T>
+__device__ __forceinline__ void mma_tile(float (&acc)[2][8][4], const uint32_t (&a)[2][4], const uint32_t (&b)[8][2]) {
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) Mma<T>::run(acc[mi][ni], a[mi], b[ni]);
+}
+
+// A fragments: 32 rows x 16 columns at column kk of a row-major tile.
+template <typename T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[2][4], const T* a_s, int lda, int kk, int lane) {
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) ldsm4(a[mi], a_s + (mi * 16 + (lane & 15)) * lda + kk + (lane >> 4) * 8);
+}
+
+// acc[32 x 64] += A[32 x BK] * B[64 x BK]^T, A and B row-major with the
 // reduction (hidden) dimension contiguous (B holds head rows).
 template <typename T>
 __device__ __forceinline__ void mma_nt(float (&acc)[2][8][4], const T* a_s, int lda, const T* b_s, int ldb,
@@ -130,21 +154,14 @@ __device__ __forceinline__ void mma_nt(float (&acc)[2][8][4], const T* a_s, int 
 #pragma unroll
   for (int kk = 0; kk < BK; kk += 16) {
     uint32_t a[2][4], b[8][2];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) ldsm4(a[mi], a_s + (mi * 16 + (lane & 15)) * lda + kk + (lane >> 4) * 8);
+    load_a<T>(a, a_s, lda, kk, lane);
 #pragma unroll
     for (int nj = 0; nj < 4; ++nj) {
       uint32_t r[4];
       ldsm4(r, b_s + (nj * 16 + (lane & 7) + ((lane >> 4) << 3)) * ldb + kk + ((lane >> 3) & 1) * 8);
-      b[2 * nj][0] = r[0];
-      b[2 * nj][1] = r[1];
-      b[2 * nj + 1][0] = r[2];
-      b[2 * nj + 1][1] = r[3];
+      split_b(b, nj, r);
     }
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < 8; ++ni) Mma<T>::run(acc[mi][ni], a[mi], b[ni]);
+    mma_tile<T>(acc, a, b);
   }
 }
 
@@ -156,21 +173,14 @@ __device__ __forceinline__ void mma_nn(float (&acc)[2][8][4], const T* a_s, int 
 #pragma unroll
   for (int kk = 0; kk < KB; kk += 16) {
     uint32_t a[2][4], b[8][2];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) ldsm4(a[mi], a_s + (mi * 16 + (lane & 15)) * lda + kk + (lane >> 4) * 8);
+    load_a<T>(a, a_s, lda, kk, lane);
 #pragma unroll
     for (int nj = 0; nj < 4; ++nj) {
       uint32_t r[4];
       ldsm4t(r, b_s + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ldb + nj * 16 + (lane >> 4) * 8);
-      b[2 * nj][0] = r[0];
-      b[2 * nj][1] = r[1];
-      b[2 * nj + 1][0] = r[2];
-      b[2 * nj + 1][1] = r[3];
+      split_b(b, nj, r);
     }
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < 8; ++ni) Mma<T>::run(acc[mi][ni], a[mi], b[ni]);
+    mma_tile<T>(acc, a, b);
   }
 }
 
@@ -182,6 +192,10 @@ __device__ __forceinline__ void zero(float (&acc)[2][8][4]) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
 }
+
+// Row of the block (0..BM) that accumulator fragment (mi, hf) of this lane
+// holds; its columns are wn * 64 + ni * 8 + 2 * tq + {0, 1}.
+__device__ __forceinline__ int frag_row(int wm, int mi, int hf, int g) { return wm * 32 + mi * 16 + hf * 8 + g; }
 
 // Head rows into shared memory, 16 bytes (8 columns) per chunk, 4 chunks per
 // thread. QB = 0: dense rows by cp.async. QB = 4 / 8: affine-quantized rows
@@ -249,6 +263,120 @@ __device__ __forceinline__ float cap_logit(float s, float scale, float cap, floa
   return z;
 }
 
+// Stage buffers of one pipeline step. Each thread moves 4 chunks of 16 bytes
+// (8 columns); CPR chunks make a row of the tile, LD is its row stride.
+template <int CPR, int LD, typename T, int QB>
+__device__ __forceinline__ void issue_rows(Rows<T, QB>& rows, T* dst, int v_row0, int col0, int tid) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = tid + i * NT, r = c / CPR, c8 = (c % CPR) * 8;
+    if constexpr (QB == 0)
+      rows.async_dense(dst + r * LD + c8, v_row0 + r, col0 + c8);
+    else
+      rows.fetch(i, v_row0 + r, col0 + c8);
+  }
+}
+
+// Quantized rows fetched by issue_rows, dequantized into dst.
+template <int CPR, int LD, typename T, int QB>
+__device__ __forceinline__ void store_rows(const Rows<T, QB>& rows, T* dst, int tid) {
+  if constexpr (QB != 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int c = tid + i * NT, r = c / CPR, c8 = (c % CPR) * 8;
+      rows.store(i, dst + r * LD + c8);
+    }
+  }
+}
+
+// BM hidden rows (tokens n0...) x BK columns from k0 into dst, by cp.async.
+template <typename T>
+__device__ __forceinline__ void issue_hidden(T* dst, const T* hid, int n0, int N, int H, int k0, int tid) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = tid + i * NT, r = c >> 3, c8 = (c & 7) << 3;
+    const int n = n0 + r;
+    cp16(dst + r * LDK + c8, hid + (n < N ? (size_t)n * H + k0 + c8 : 0), n < N);
+  }
+}
+
+// The double-buffered pipeline every loop here runs: step s + 1's loads fill
+// one stage while step s's tensor-core work (mma(s, stage)) reads the other;
+// quantized rows are dequantized into their stage (finish) after the work
+// they overlap; epilogue(s) runs before the stage is reused.
+template <class Issue, class Finish, class Work, class Epilogue>
+__device__ __forceinline__ void pipeline(int total, Issue issue, Finish finish, Work mma, Epilogue epilogue) {
+  if (total > 0) {
+    issue(0, 0);
+    finish(0);
+  }
+  cp_commit();
+  for (int s = 0; s < total; ++s) {
+    const int st = s & 1;
+    if (s + 1 < total) issue(s + 1, st ^ 1);
+    cp_commit();
+    cp_wait1();
+    __syncthreads();
+    mma(s, st);
+    if (s + 1 < total) finish(st ^ 1);
+    epilogue(s);
+    __syncthreads();
+  }
+}
+
+// One [BM tokens x BN head rows] logits tile per nk steps of BK hidden
+// columns: step s is tile s / nk (head rows tile_row0(s / nk)...), columns
+// (s % nk) * BK. tile_done(s / nk) sees the finished tile in acc.
+template <typename T, int QB, class TileRow, class TileDone>
+__device__ __forceinline__ void logits_tiles(float (&acc)[2][8][4], Rows<T, QB>& rows, T* sA, T* sB,
+                                             const T* hid, int n0, int N, int H, int ntiles, TileRow tile_row0,
+                                             TileDone tile_done) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp & 3, wn = warp >> 2;
+  const int nk = H / BK;
+  zero(acc);
+  pipeline(
+      ntiles * nk,
+      [&](int s, int st) {
+        const int k0 = (s % nk) * BK;
+        issue_hidden<T>(sA + st * BM * LDK, hid, n0, N, H, k0, tid);
+        issue_rows<BK / 8, LDK>(rows, sB + st * BN * LDK, tile_row0(s / nk), k0, tid);
+      },
+      [&](int st) { store_rows<BK / 8, LDK>(rows, sB + st * BN * LDK, tid); },
+      [&](int s, int st) {
+        mma_nt<T>(acc, sA + st * BM * LDK + wm * 32 * LDK, LDK, sB + st * BN * LDK + wn * 64 * LDK, LDK, lane);
+      },
+      [&](int s) {
+        if (s % nk == nk - 1) {
+          tile_done(s / nk);
+          zero(acc);
+        }
+      });
+}
+
+// Online softmax: fold a tile row's logits into its running (max, sum of
+// exp). A quad of lanes holds the row's 64 columns, 16 each (z).
+__device__ __forceinline__ void online_update(float& m, float& l, const float (&z)[16]) {
+  float bmax = -kInf;
+#pragma unroll
+  for (int e = 0; e < 16; ++e) bmax = fmaxf(bmax, z[e]);
+  bmax = quad_max(bmax);
+  const float mnew = fmaxf(m, bmax);
+  const float ms = (mnew == -kInf) ? 0.f : mnew;  // an all -inf row stays (-inf, 0)
+  float sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < 16; ++e) sum += __expf(z[e] - ms);
+  l = l * __expf(m - ms) + quad_sum(sum);
+  m = mnew;
+}
+
+// Two (max, sum of exp) pairs of one row as one.
+__device__ __forceinline__ void merge_online(float m0, float l0, float m1, float l1, float& m, float& l) {
+  m = fmaxf(m0, m1);
+  const float ms = (m == -kInf) ? 0.f : m;
+  l = l0 * __expf(m0 - ms) + l1 * __expf(m1 - ms);
+}
+
 // Forward: per split of the vocabulary, running (max, sum of exp) per token,
 // and the target's (scaled, capped) logit.
 template <typename T, int QB>
@@ -269,14 +397,11 @@ __device__ void fwd(const T* hid, const int32_t* tgt, const void* w, const T* sc
   const int jb0 = (int)((long long)split * nvb / nsplit);
   const int jb1 = (int)((long long)(split + 1) * nvb / nsplit);
   const float scale = prm[0], cap = prm[1];
-  const int nk = H / BK;
-  const int total = (jb1 - jb0) * nk;
 
   for (int r = tid; r < BM; r += NT) sT[r] = (n0 + r < N) ? tgt[n0 + r] : -1;
 
   Rows<T, QB> rows{w, sc, bi, H, V, gsz};
   float acc[2][8][4];
-  zero(acc);
   float mrun[4], lrun[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -284,89 +409,38 @@ __device__ void fwd(const T* hid, const int32_t* tgt, const void* w, const T* sc
     lrun[i] = 0.f;
   }
 
-  auto issue = [&](int s, int st) {  // step s into stage st (async part)
-    const int jb = jb0 + s / nk, k0 = (s % nk) * BK;
-    T* a_dst = sA + st * BM * LDK;
-    T* b_dst = sB + st * BN * LDK;
+  logits_tiles<T, QB>(
+      acc, rows, sA, sB, hid, n0, N, H, jb1 - jb0, [&](int j) { return (jb0 + j) * BN; },
+      [&](int j) {
+        const int v_base = (jb0 + j) * BN + wn * 64 + 2 * tq;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int c = tid + i * NT, r = c >> 3, c8 = (c & 7) << 3;
-      const int n = n0 + r;
-      cp16(a_dst + r * LDK + c8, hid + (n < N ? (size_t)n * H + k0 + c8 : 0), n < N);
-      if constexpr (QB == 0)
-        rows.async_dense(b_dst + r * LDK + c8, jb * BN + r, k0 + c8);
-      else
-        rows.fetch(i, jb * BN + r, k0 + c8);
-    }
-  };
-  auto finish = [&](int st) {  // quantized head rows of the issued step into stage st
-    if constexpr (QB != 0) {
-      T* b_dst = sB + st * BN * LDK;
+        for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int c = tid + i * NT, r = c >> 3, c8 = (c & 7) << 3;
-        rows.store(i, b_dst + r * LDK + c8);
-      }
-    }
-  };
-
-  if (total > 0) {
-    issue(0, 0);
-    finish(0);
-  }
-  cp_commit();
-  for (int s = 0; s < total; ++s) {
-    const int st = s & 1;
-    if (s + 1 < total) issue(s + 1, st ^ 1);
-    cp_commit();
-    cp_wait1();
-    __syncthreads();
-    mma_nt<T>(acc, sA + st * BM * LDK + wm * 32 * LDK, LDK, sB + st * BN * LDK + wn * 64 * LDK, LDK, lane);
-    if (s + 1 < total) finish(st ^ 1);
-    if (s % nk == nk - 1) {
-      const int v_base = (jb0 + s / nk) * BN + wn * 64 + 2 * tq;
+          for (int hf = 0; hf < 2; ++hf) {
+            const int r = frag_row(wm, mi, hf, g);
+            const int tr = sT[r];
+            float z[16];
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
+            for (int ni = 0; ni < 8; ++ni) {
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int idx = mi * 2 + hf;
-          const int r = wm * 32 + mi * 16 + hf * 8 + g;
-          const int tr = sT[r];
-          float z[16];
-          float bmax = -kInf;
-#pragma unroll
-          for (int ni = 0; ni < 8; ++ni) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int v = v_base + ni * 8 + j;
-              float dz;
-              float zz = cap_logit(acc[mi][ni][hf * 2 + j], scale, cap, &dz);
-              if (v >= V) zz = -kInf;
-              if (v == tr) zt_out[n0 + r] = zz;
-              z[ni * 2 + j] = zz;
-              bmax = fmaxf(bmax, zz);
+              for (int e = 0; e < 2; ++e) {
+                const int v = v_base + ni * 8 + e;
+                float dz;
+                float zz = cap_logit(acc[mi][ni][hf * 2 + e], scale, cap, &dz);
+                if (v >= V) zz = -kInf;
+                if (v == tr) zt_out[n0 + r] = zz;
+                z[ni * 2 + e] = zz;
+              }
             }
+            online_update(mrun[mi * 2 + hf], lrun[mi * 2 + hf], z);
           }
-          bmax = quad_max(bmax);
-          const float mnew = fmaxf(mrun[idx], bmax);
-          const float msafe = (mnew == -kInf) ? 0.f : mnew;
-          float sum = 0.f;
-#pragma unroll
-          for (int e = 0; e < 16; ++e) sum += __expf(z[e] - msafe);
-          sum = quad_sum(sum);
-          lrun[idx] = lrun[idx] * __expf(mrun[idx] - msafe) + sum;
-          mrun[idx] = mnew;
         }
-      }
-      zero(acc);
-    }
-    __syncthreads();
-  }
+      });
 
   if (tq == 0) {
 #pragma unroll
     for (int idx = 0; idx < 4; ++idx) {
-      const int r = wm * 32 + (idx >> 1) * 16 + (idx & 1) * 8 + g;
+      const int r = frag_row(wm, idx >> 1, idx & 1, g);
       sM[wn * BM + r] = mrun[idx];
       sL[wn * BM + r] = lrun[idx];
     }
@@ -375,11 +449,10 @@ __device__ void fwd(const T* hid, const int32_t* tgt, const void* w, const T* sc
   for (int r = tid; r < BM; r += NT) {
     const int n = n0 + r;
     if (n < N) {
-      const float m0 = sM[r], m1 = sM[BM + r];
-      const float m = fmaxf(m0, m1);
-      const float ms = (m == -kInf) ? 0.f : m;
+      float m, l;
+      merge_online(sM[r], sL[r], sM[BM + r], sL[BM + r], m, l);
       m_out[(size_t)split * N + n] = m;
-      l_out[(size_t)split * N + n] = sL[r] * __expf(m0 - ms) + sL[BM + r] * __expf(m1 - ms);
+      l_out[(size_t)split * N + n] = l;
     }
   }
 }
@@ -409,7 +482,6 @@ __device__ void bwd(const T* hid, const int32_t* tgt, const float* lse, const fl
   const int c0 = (int)((long long)split * nchunk / nsplit);
   const int c1 = (int)((long long)(split + 1) * nchunk / nsplit);
   const float scale = prm[0], cap = prm[1], feps = prm[2], beps = prm[3];
-  const int nk = H / BK;
   const int nhc = (H + BH - 1) / BH;
 
   for (int r = tid; r < BM; r += NT) {
@@ -425,67 +497,29 @@ __device__ void bwd(const T* hid, const int32_t* tgt, const float* lse, const fl
 
   for (int c = c0; c < c1; ++c) {
     const int v0 = c * RC;
-    // ---- phase A: D for [BM tokens x RC vocabulary rows], 4 tiles of BN
-    {
-      const int total = (RC / BN) * nk;
-      auto issue = [&](int s, int st) {
-        const int jb = s / nk, k0 = (s % nk) * BK;
-        T* a_dst = sA + st * BM * LDK;
-        T* b_dst = sB + st * BN * LDK;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int cc = tid + i * NT, r = cc >> 3, c8 = (cc & 7) << 3;
-          const int n = n0 + r;
-          cp16(a_dst + r * LDK + c8, hid + (n < N ? (size_t)n * H + k0 + c8 : 0), n < N);
-          if constexpr (QB == 0)
-            rows.async_dense(b_dst + r * LDK + c8, v0 + jb * BN + r, k0 + c8);
-          else
-            rows.fetch(i, v0 + jb * BN + r, k0 + c8);
-        }
-      };
-      auto finish = [&](int st) {
-        if constexpr (QB != 0) {
-          T* b_dst = sB + st * BN * LDK;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int cc = tid + i * NT, r = cc >> 3, c8 = (cc & 7) << 3;
-            rows.store(i, b_dst + r * LDK + c8);
-          }
-        }
-      };
-      zero(acc);
-      issue(0, 0);
-      finish(0);
-      cp_commit();
-      for (int s = 0; s < total; ++s) {
-        const int st = s & 1;
-        if (s + 1 < total) issue(s + 1, st ^ 1);
-        cp_commit();
-        cp_wait1();
-        __syncthreads();
-        mma_nt<T>(acc, sA + st * BM * LDK + wm * 32 * LDK, LDK, sB + st * BN * LDK + wn * 64 * LDK, LDK, lane);
-        if (s + 1 < total) finish(st ^ 1);
-        if (s % nk == nk - 1) {
-          const int jb = s / nk;
+    // ---- phase A: D for [BM tokens x RC vocabulary rows], RC / BN tiles
+    logits_tiles<T, QB>(
+        acc, rows, sA, sB, hid, n0, N, H, RC / BN, [&](int jb) { return v0 + jb * BN; },
+        [&](int jb) {
           const int col_base = jb * BN + wn * 64 + 2 * tq;  // column in D
           float dmax = 0.f;
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-              const int r = wm * 32 + mi * 16 + hf * 8 + g;
+              const int r = frag_row(wm, mi, hf, g);
               const int tr = sT[r];
               const float lr = sLse[r];
 #pragma unroll
               for (int ni = 0; ni < 8; ++ni) {
                 float d[2];
 #pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                  const int v = v0 + col_base + ni * 8 + j;
+                for (int e = 0; e < 2; ++e) {
+                  const int v = v0 + col_base + ni * 8 + e;
                   float dz;
-                  const float zz = cap_logit(acc[mi][ni][hf * 2 + j], scale, cap, &dz);
-                  d[j] = (v < V) ? (__expf(zz - lr) - (v == tr ? 1.f : 0.f)) * dz : 0.f;
-                  dmax = fmaxf(dmax, fabsf(d[j]));
+                  const float zz = cap_logit(acc[mi][ni][hf * 2 + e], scale, cap, &dz);
+                  d[e] = (v < V) ? (__expf(zz - lr) - (v == tr ? 1.f : 0.f)) * dz : 0.f;
+                  dmax = fmaxf(dmax, fabsf(d[e]));
                 }
                 *reinterpret_cast<uint32_t*>(sD + r * LDD + col_base + ni * 8) = Mma<T>::pack(d[0], d[1]);
               }
@@ -493,12 +527,9 @@ __device__ void bwd(const T* hid, const int32_t* tgt, const float* lse, const fl
           }
           dmax = warp_max(dmax);
           if (lane == 0) sF[wm * NSLICE + jb * 2 + wn] = dmax;  // this warp's rows x 64 columns
-          zero(acc);
-        }
-        __syncthreads();
-      }
-    }
-    // ---- phase B: dh[rows, slice] += g * D @ W[chunk rows, slice]
+        });
+    // ---- phase B: dh[rows, slice] += g * D @ W[chunk rows, slice], over the
+    // 64-row slices whose D is not negligible
     if (tid == 0) {
       int na = 0;
       for (int kk = 0; kk < NSLICE; ++kk) {
@@ -510,68 +541,41 @@ __device__ void bwd(const T* hid, const int32_t* tgt, const float* lse, const fl
     }
     __syncthreads();
     const int nact = sAct[NSLICE];
-    const int total = nhc * nact;
-    auto issue = [&](int s, int st) {
-      const int hc = s / nact, kk = sAct[s % nact];
-      T* dst = sW + st * KB * LDW;
+    zero(acc);
+    pipeline(
+        nhc * nact,
+        [&](int s, int st) {
+          issue_rows<BH / 8, LDW>(rows, sW + st * KB * LDW, v0 + sAct[s % nact] * KB, (s / nact) * BH, tid);
+        },
+        [&](int st) { store_rows<BH / 8, LDW>(rows, sW + st * KB * LDW, tid); },
+        [&](int s, int st) {
+          const int hc = s / nact, kk = sAct[s % nact];
+          const bool skip = (feps > 0.f && sF[wm * NSLICE + kk] < feps) || (hc * BH + wn * 64 >= H);
+          if (!skip) mma_nn<T>(acc, sD + wm * 32 * LDD + kk * KB, LDD, sW + st * KB * LDW + wn * 64, LDW, lane);
+        },
+        [&](int s) {
+          if (s % nact != nact - 1) return;
+          const int hc = s / nact;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int cc = tid + i * NT, r = cc >> 4, c8 = (cc & 15) << 3;
-        if constexpr (QB == 0)
-          rows.async_dense(dst + r * LDW + c8, v0 + kk * KB + r, hc * BH + c8);
-        else
-          rows.fetch(i, v0 + kk * KB + r, hc * BH + c8);
-      }
-    };
-    auto finish = [&](int st) {
-      if constexpr (QB != 0) {
-        T* dst = sW + st * KB * LDW;
+          for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int cc = tid + i * NT, r = cc >> 4, c8 = (cc & 15) << 3;
-          rows.store(i, dst + r * LDW + c8);
-        }
-      }
-    };
-    if (total > 0) {
-      zero(acc);
-      issue(0, 0);
-      finish(0);
-    }
-    cp_commit();
-    for (int s = 0; s < total; ++s) {
-      const int st = s & 1;
-      const int hc = s / nact, kk = sAct[s % nact];
-      if (s + 1 < total) issue(s + 1, st ^ 1);
-      cp_commit();
-      cp_wait1();
-      __syncthreads();
-      const bool skip = (feps > 0.f && sF[wm * NSLICE + kk] < feps) || (hc * BH + wn * 64 >= H);
-      if (!skip) mma_nn<T>(acc, sD + wm * 32 * LDD + kk * KB, LDD, sW + st * KB * LDW + wn * 64, LDW, lane);
-      if (s + 1 < total) finish(st ^ 1);
-      if (s % nact == nact - 1) {
+            for (int hf = 0; hf < 2; ++hf) {
+              const int r = frag_row(wm, mi, hf, g);
+              const int n = n0 + r;
+              const float gr = sG[r];
+              if (n < N && gr != 0.f) {
 #pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            const int r = wm * 32 + mi * 16 + hf * 8 + g;
-            const int n = n0 + r;
-            const float gr = sG[r];
-            if (n < N && gr != 0.f) {
-#pragma unroll
-              for (int ni = 0; ni < 8; ++ni) {
-                const int col = hc * BH + wn * 64 + ni * 8 + 2 * tq;
-                if (col < H)
-                  atomicAdd(reinterpret_cast<float2*>(dh + (size_t)n * H + col),
-                            make_float2(acc[mi][ni][hf * 2] * gr, acc[mi][ni][hf * 2 + 1] * gr));
+                for (int ni = 0; ni < 8; ++ni) {
+                  const int col = hc * BH + wn * 64 + ni * 8 + 2 * tq;
+                  if (col < H)
+                    atomicAdd(reinterpret_cast<float2*>(dh + (size_t)n * H + col),
+                              make_float2(acc[mi][ni][hf * 2] * gr, acc[mi][ni][hf * 2 + 1] * gr));
+                }
               }
             }
           }
-        }
-        zero(acc);
-      }
-      __syncthreads();
-    }
+          zero(acc);
+        });
   }
 }
 
