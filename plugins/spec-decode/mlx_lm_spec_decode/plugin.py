@@ -259,3 +259,25 @@ def speculative_generate_step(
     from .loop import speculative_generate_step as loop
 
     return loop(prompt, model, drafter, **kwargs)
+
+
+@hookimpl
+def request_finished(info: Dict[str, Any]) -> None:
+    from . import metrics as series
+
+    series.fold(info)
+
+
+@hookimpl
+def metrics() -> Optional[List[Any]]:
+    """Drafted, accepted, rounds, auto-off... per drafter, for /metrics and /status."""
+    from . import metrics as series
+
+    return series.families()
+
+
+@hookimpl
+def status_charts() -> List[Tuple[str, str, str]]:
+    from . import metrics as series
+
+    return series.CHARTS
