@@ -13,8 +13,9 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _autotune_cache(tmp_path, monkeypatch):
-    """Each test's auto-backend choices go to its own folder, never the user's cache."""
-    from mlx_lm_flash_cce import autotune
+    """Each test's auto-backend choices go to its own folder, never the user's cache;
+    a memory limit a loss held in one test (on a GPU) does not leak into the next."""
+    from mlx_lm_flash_cce import autotune, budget
 
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path / "flash-cce-cache"))
     autotune._MEMORY.clear()
@@ -22,3 +23,4 @@ def _autotune_cache(tmp_path, monkeypatch):
     yield
     autotune._MEMORY.clear()
     autotune._DP.clear()
+    budget.LIMIT.release()
