@@ -122,9 +122,10 @@ def make_drafter(
     Called once the target model (and mlx-lm's own ``--draft-model``, passed
     as ``draft_model`` or ``None``) is loaded, in ``mlx_lm.generate`` and in
     ``mlx_lm.server``. In ``generate`` the host passes it to mlx-lm's
-    ``generate`` as ``draft_model``; in the server it becomes the model
-    provider's draft model (serving then runs one request at a time). Either
-    way it reaches ``speculative_generate_step`` below.
+    ``generate`` as ``draft_model``; in the server it goes to the batched
+    path when ``batch_generator`` takes it, else it becomes the model
+    provider's draft model (serving then runs one request at a time) and
+    reaches ``speculative_generate_step`` below.
     """
 
 
@@ -143,6 +144,30 @@ def speculative_generate_step(
     ...). The generator must yield ``(token: int, logprobs: mx.array[V],
     from_draft: bool)`` as mlx-lm's does. Return ``None`` for a drafter this
     plugin does not handle, and mlx-lm's own implementation runs.
+    """
+
+
+@hookspec(firstresult=True)
+def batch_generator(
+    model: Any,
+    tokenizer: Any,
+    drafter: Any,
+    args: Optional[argparse.Namespace],
+    options: Any,
+) -> Optional[Callable[..., Any]]:
+    """Return a factory for the server's batched path with ``drafter``, or ``None``.
+
+    Called in ``mlx_lm.server`` after ``make_drafter`` gave ``drafter``, when
+    the model's caches can be batched. The factory is called where the
+    server builds its ``BatchGenerator``, as ``factory(model, **kwargs)``
+    (``completion_batch_size``, ``prefill_batch_size``, ``prefill_step_size``,
+    ``stream``), and returns an object with ``BatchGenerator``'s interface
+    (``insert_segments``, ``next``, ``remove``, ``extract_cache``,
+    ``prompt_cache_nbytes``, ``close``). Inside its ``insert_segments``,
+    ``mlx_lm_ext.host.request_info()`` is the dict of the request being
+    inserted. With ``None`` the server serves the drafter one request at a
+    time (``speculative_generate_step``). If the hook or the factory raises,
+    the host logs it and the server keeps mlx-lm's own.
     """
 
 

@@ -3,7 +3,10 @@
 * ``request_info()``: a dict for the request being generated on this
   thread (the server's generation thread, or a ``mlx_lm.generate`` call).
   A plugin records its per-request figures there; the host hands the dict
-  to the plugins' ``usage_fields`` and ``report_lines`` hooks.
+  to the plugins' ``usage_fields`` and ``report_lines`` hooks. On the
+  server's batched path requests interleave: there it is the dict of the
+  request the generation thread took in last, so inside a batch
+  generator's ``insert_segments`` it is the request being inserted.
 * ``override_attention(model, make)``: for the length of a ``with`` block,
   the attention function of ``model``'s modules is ``make(original)``
   (through the patch ledger, undone on exit).
@@ -33,6 +36,14 @@ def serving(info: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
         yield info
     finally:
         _local.info = previous
+
+
+def begin_request(info: Dict[str, Any]) -> None:
+    """Make ``info`` this thread's current request until the next one (host side).
+
+    For the server's batched path, where no block spans one request.
+    """
+    _local.info = info
 
 
 def last_request() -> Optional[Dict[str, Any]]:

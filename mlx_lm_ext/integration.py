@@ -263,6 +263,7 @@ NEEDS = {
     "generate.generate": ("make_drafter", "report_lines"),
     "server.prompt_cache": ("make_prompt_cache",),
     "server.model": ("make_drafter", "model_loaded"),
+    "server.batch": ("batch_generator",),
     "server.requests": ("usage_fields", "report_lines"),
 }
 
@@ -287,6 +288,8 @@ def on_activate(command: str) -> None:
             command == "server" and plugins.active_implements("make_drafter")
         ) or plugins.active_implements("model_loaded"):
             serving.install_model_hook()
+        if command == "server" and plugins.active_implements("batch_generator"):
+            serving.install_batching()
         if plugins.active_implements("usage_fields") or plugins.active_implements("report_lines"):
             serving.install_requests()
 

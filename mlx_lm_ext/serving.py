@@ -3,7 +3,10 @@
 * ``server.prompt_cache``: ``LRUPromptCache`` becomes a subclass that asks
   ``make_prompt_cache`` (same signature and defaults, ``isinstance`` holds);
 * ``server.model``: after ``ModelProvider._load``, ``model_loaded`` for every
-  plugin and ``make_drafter`` for the serial speculative path;
+  plugin and ``make_drafter``; the drafter goes to the batched path when
+  ``batch_generator`` takes it, else to the serial speculative path;
+* ``server.batch``: the server's ``BatchGenerator`` from that factory, and
+  each request's info dict visible to it while the request is inserted;
 * ``server.requests``: each request's ``host.request_info()`` dict, the
   plugins' ``usage_fields`` in responses and their ``report_lines`` under
   the server's prompt-cache log lines.
@@ -16,6 +19,8 @@ import functools
 import logging
 import sys
 import threading
+import weakref
+from typing import Any, Callable, Dict, Tuple
 
 from . import host, patching, plugins
 
@@ -97,7 +102,12 @@ def install_model_hook() -> None:
             except Exception as e:
                 log.warning("drafter plugin failed, serving without it: %s", e)
                 drafter = None
-            if drafter is not None:
+            if drafter is not None and _batched(self, drafter):
+                # The drafter rides the batched path: mlx-lm's own draft model,
+                # if any, is not used, and requests stay batchable.
+                self.draft_model = None
+                self.is_batchable = True
+            elif drafter is not None:
                 # Leave model_key alone: load() compares it on every request.
                 self.draft_model = drafter
                 self.is_batchable = False
@@ -106,6 +116,94 @@ def install_model_hook() -> None:
         return _load
 
     patching.wrap("server.model", provider, "_load", make)
+
+
+# model id -> (weak reference to the model, factory from ``batch_generator``)
+_batch_factories: Dict[int, Tuple[Any, Callable[..., Any]]] = {}
+
+
+def _batched(provider: Any, drafter: Any) -> bool:
+    """Ask ``batch_generator`` for a factory for this model and drafter; remember it."""
+    _batch_factories.clear()
+    mod = sys.modules["mlx_lm.server"]
+    if not plugins.active_implements("batch_generator"):
+        return False
+    if not all(hasattr(c, "merge") for c in mod.make_prompt_cache(provider.model)):
+        return False
+    try:
+        factory = plugins.first(
+            "batch_generator",
+            model=provider.model,
+            tokenizer=provider.tokenizer,
+            drafter=drafter,
+            args=provider.cli_args,
+        )
+    except Exception as e:
+        log.warning("batch generator plugin failed, serving the drafter serially: %s", e)
+        factory = None
+    if factory is None:
+        return False
+    _batch_factories[id(provider.model)] = (weakref.ref(provider.model), factory)
+    return True
+
+
+def install_batching() -> None:
+    """The server's ``BatchGenerator`` comes from the plugin's factory for its model.
+
+    ``mlx_lm.server.BatchGenerator`` (a module global ``_generate`` calls)
+    becomes a function that builds the factory's generator for a model
+    ``_batched`` registered, and mlx-lm's own otherwise or if the factory
+    fails. ``ResponseGenerator._next_request`` hands each request a queue
+    that puts its info dict on the request's ``GenerationContext`` and makes
+    it the generation thread's current request (``host.begin_request``), so
+    the generator's ``insert_segments`` sees it.
+    """
+    mod = sys.modules["mlx_lm.server"]
+
+    def make_batch_generator(stock):
+        @functools.wraps(stock)
+        def BatchGenerator(model, *args, **kwargs):
+            ref, factory = _batch_factories.get(id(model), (None, None))
+            if factory is not None and ref() is model:
+                try:
+                    return factory(model, *args, **kwargs)
+                except Exception as e:
+                    log.warning("batch generator plugin failed, using mlx-lm's own: %s", e)
+            return stock(model, *args, **kwargs)
+
+        return BatchGenerator
+
+    def make_next_request(original):
+        @functools.wraps(original)
+        def _next_request(self, *args, **kwargs):
+            request = original(self, *args, **kwargs)
+            if isinstance(request, tuple) and len(request) == 3:
+                rqueue, req, gen_args = request
+                if not isinstance(rqueue, _RequestQueue):
+                    request = (_RequestQueue(rqueue), req, gen_args)
+            return request
+
+        return _next_request
+
+    patching.wrap("server.batch", mod, "BatchGenerator", make_batch_generator)
+    patching.wrap("server.batch", mod.ResponseGenerator, "_next_request", make_next_request)
+
+
+class _RequestQueue:
+    """A request's response queue that carries the request's info dict."""
+
+    def __init__(self, queue: Any):
+        self.queue = queue
+        self.mlx_lm_ext: Dict[str, Any] = {}
+
+    def put(self, item: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(item).__name__ == "GenerationContext" and not hasattr(item, "mlx_lm_ext"):
+            item.mlx_lm_ext = self.mlx_lm_ext
+            host.begin_request(self.mlx_lm_ext)
+        return self.queue.put(item, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.queue, name)
 
 
 def install_requests() -> None:
@@ -117,7 +215,8 @@ def install_requests() -> None:
         @functools.wraps(original)
         def _serve_single(self, request, stream):
             rqueue, req, args = request
-            info = {}
+            info = getattr(rqueue, "mlx_lm_ext", None)  # from install_batching's queue
+            info = info if isinstance(info, dict) else {}
 
             class Queue:  # the request's context object carries its plugin figures
                 def put(self, item, *a, **kw):

@@ -44,7 +44,9 @@ one-token prompt). That, with read access to
 Class attributes: ``name`` (shown in stats), ``max_draft`` (upper bound for
 the adaptive draft length), ``needs_hidden``, ``adaptive`` and ``auto_off``
 (the loop's draft-length adaptation and measured switch-off, both on by
-default).
+default), and ``batches``: whether the server's batched path may run it,
+one ``DraftContext`` per row with ``target_cache`` ``None`` and no
+``hidden`` (a drafter that reads neither, and proposes without ``probs``).
 
 ``DrafterProtocol`` states this contract for type checkers; ``Drafter`` is a
 base class that meets it by proposing nothing, to subclass.
@@ -103,6 +105,7 @@ class Drafter:
     needs_hidden = False
     adaptive = True  # let the loop adapt the draft length
     auto_off = True  # let the loop switch drafting off when it measures slower
+    batches = False  # the server's batched path may run it (one context per row)
 
     def make_cache(self) -> List[Any]:
         return []

@@ -118,6 +118,7 @@ class NGramDrafter(Drafter):
     """
 
     name = "ngram"
+    batches = True  # per-row state only: the server batches it
     DECAY = 0.8
     MIN_TRIES = 3.0  # decayed tries before a length may be silenced
     MIN_HIT = 0.34

@@ -18,7 +18,7 @@ output of ``mlx_lm.generate``) and ``usage_fields`` (the server's
 import argparse
 import logging
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from mlx_lm_ext import PluginError, hookimpl
 
@@ -248,6 +248,32 @@ def _load_tokenizer(path):
             f"spec-decode: could not load the draft model's tokenizer for the vocabulary check: {e}"
         )
         return None
+
+
+@hookimpl
+def batch_generator(
+    model: Any,
+    tokenizer: Any,
+    drafter: Any,
+    args: Optional[argparse.Namespace],
+    options: argparse.Namespace,
+) -> Optional[Callable[..., Any]]:
+    """The server's batched path for drafters with per-row state (ngram, suffix)."""
+    if not getattr(drafter, "batches", False):
+        log.info(
+            f"spec-decode: the {getattr(drafter, 'name', 'drafter')} drafter does not batch; "
+            "the server serves one request at a time"
+        )
+        return None
+    args = args if args is not None else options
+    gamma = getattr(args, "num_draft_tokens", None) or 3
+    gmax = max(gamma, drafter.max_draft)
+    from .batch import SpecBatchGenerator
+
+    def make(model: Any, **kwargs: Any) -> SpecBatchGenerator:
+        return SpecBatchGenerator(model, drafter, gamma, gmax, **kwargs)
+
+    return make
 
 
 @hookimpl

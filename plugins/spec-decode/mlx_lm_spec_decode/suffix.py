@@ -351,6 +351,7 @@ class SuffixDrafter(Drafter):
     """
 
     name = "suffix"
+    batches = True  # per-row state only: the server batches it
     ALPHA = 2.0  # draft at most this many times the match length
     MIN_SCORE = 0.3  # stop when the continuation's share falls under this
     DECAY = 0.8

@@ -1,0 +1,322 @@
+"""Speculative decoding inside mlx-lm's continuous batching (``mlx_lm.server``).
+
+``SpecBatchGenerator`` is mlx-lm's ``BatchGenerator`` (prompt processing,
+rows joining and leaving between steps, segment caches) whose generation
+batch is a ``SpecGenerationBatch``: each call of ``next`` is either mlx-lm's
+own plain step (every row one token, pipelined) or a drafting round:
+
+1. each row's drafter (its own ``DraftContext``: an n-gram index or suffix
+   state per row) is brought up to the row's tokens and proposes up to γ;
+2. one target forward over ``[B, 1 + γ]``: row i feeds its pending token and
+   its ``k_i <= γ`` drafts, padded (padding sits after the row's tokens, so
+   the causal mask keeps it out of them);
+3. per-row acceptance with the row's own sampler and logits processors
+   (``batch_verify.verify``);
+4. the row emits its pending token and its accepted drafts (stop words and
+   ``max_tokens`` cut them as a plain step would), the target's token becomes
+   its pending one, and the cache drops each row's rejected entries
+   (``ragged.rollback``): every row holds exactly prompt + emitted tokens,
+   which is what a finishing row hands the server's prompt cache.
+
+The state between calls is mlx-lm's own (``_next_tokens``: each row's
+pending token, ``tokens``: what its cache holds), so plain steps and
+drafting rounds interleave freely. ``batch_verify.BatchController`` picks γ
+per batch size from measured step and round times; when no row has anything
+to propose, plain steps run in pipelined runs (as the serial loop does).
+
+A drafter that raises stops drafting for its row only; a batch whose caches
+cannot roll rows back apart (a sliding-window layer) decodes plainly, with
+one warning. Each request's figures (``SpecStats``) go to its info dict,
+hence ``usage``, and to the log when it finishes.
+"""
+
+import logging
+import time
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+
+from . import stats as stats_mod
+from .batch_verify import BatchController, RowRule, verify
+from .drafter import DraftContext
+from .ragged import ragged, rollback
+
+log = logging.getLogger("mlx_lm_spec_decode")
+
+MISS_RUN = 4  # proposal-less rounds in a row before plain steps come in doubling runs
+COST_RUN = 4  # plain steps after the cost model said drafting does not pay
+
+
+class Row:
+    """One request's drafting state in the batch."""
+
+    def __init__(self, model: Any, drafter: Any, sampler: Any, st: stats_mod.SpecStats):
+        self.rule = RowRule(sampler)
+        self.ctx = DraftContext(
+            model, None, drafter.make_cache(), temp=self.rule.temp or 0.0, filter=self.rule.filt
+        )
+        self.stats = st
+        self.told = 0  # tokens of the row's history the drafter holds
+        self.failed: Optional[str] = None
+        self.hits, self.tries = 1.0, 2.0  # decayed per-draft-token acceptance (prior 1/2)
+
+    @property
+    def alpha(self) -> float:
+        return self.hits / self.tries
+
+    def observe(self, k: int, a: int) -> None:
+        # Geometric acceptance: a successes, one failure unless all were kept.
+        self.hits = 0.8 * self.hits + a
+        self.tries = 0.8 * self.tries + a + (1 if a < k else 0)
+
+
+class SpecState:
+    """What the generator and its generation batch share: drafter, controller, figures."""
+
+    def __init__(self, model: Any, drafter: Any, gamma: int, gmax: int):
+        self.model, self.drafter = model, drafter
+        self.ctl = BatchController(
+            gamma,
+            gmax,
+            adaptive=getattr(drafter, "adaptive", True),
+            auto_off=getattr(drafter, "auto_off", True),
+        )
+        self.gamma_start = self.ctl.gamma
+        self.stats: Dict[int, stats_mod.SpecStats] = {}
+        self.no_draft: Optional[str] = None  # why the whole batch decodes plainly
+
+    def begin(self, uid: int) -> None:
+        st = stats_mod.SpecStats(
+            self.drafter.name, gamma_start=self.gamma_start, gamma=self.gamma_start
+        )
+        stats_mod.start(st)  # into the inserted request's info dict (usage)
+        self.stats[uid] = st
+
+    def row(self, uid: int, sampler: Any) -> Row:
+        st = self.stats.pop(uid, None) or stats_mod.SpecStats(
+            self.drafter.name, gamma_start=self.gamma_start
+        )
+        return Row(self.model, self.drafter, sampler, st)
+
+
+class SpecGenerationBatch(GenerationBatch):
+    """mlx-lm's generation batch with drafting rounds between its plain steps."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.spec: Optional[SpecState] = None
+        self.rows: List[Row] = []
+        self.plain_left = 0  # plain steps to run before the next drafting decision
+        self.misses = 0
+        self.last_plain_b = 0  # batch size of the previous call, if it was a plain step
+        super().__init__(*args, **kwargs)
+
+    # ----------------------------------------------------- rows join and leave
+
+    def extend(self, batch: GenerationBatch) -> None:
+        rows = [self.spec.row(u, s) for u, s in zip(batch.uids, batch.samplers, strict=True)]
+        super().extend(batch)
+        self.rows.extend(rows)
+        self.last_plain_b = 0
+
+    def filter(self, keep: List[int]) -> None:
+        kept = set(keep)
+        for i, row in enumerate(self.rows):
+            if i not in kept:
+                self._close(i, row)
+        super().filter(keep)
+        self.rows = [self.rows[i] for i in keep]
+        self.last_plain_b = 0
+
+    def _close(self, i: int, row: Row) -> None:
+        """The row leaves: its drafter holds exactly its tokens, then flushes."""
+        if row.told and not row.failed:
+            self._guard(row, self._sync, row, self.tokens[i])
+            self._guard(row, self.spec.drafter.flush, row.ctx)
+        row.stats.gamma = self.spec.ctl.gamma
+        log.info(row.stats.line())
+
+    # ------------------------------------------------------------ the drafter
+
+    def _guard(self, row: Row, fn: Any, *args: Any) -> Any:
+        """Call the drafter for one row; a failure stops drafting for that row only."""
+        if row.failed:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:
+            row.failed = f"drafter failed: {type(e).__name__}: {e}"
+            row.stats.fallback = row.failed
+            log.warning(f"spec-decode: plain decoding for one request: {row.failed}")
+            return None
+
+    def _sync(self, row: Row, history: List[int]) -> None:
+        """Make the drafter's history ``history`` (it only ever lags or overshoots)."""
+        d = self.spec.drafter
+        if row.told == 0:
+            d.prefill(row.ctx, list(history))
+        elif row.told > len(history):
+            d.trim(row.ctx, row.told - len(history))
+        elif row.told < len(history):
+            d.accept(row.ctx, list(history[row.told :]), 0)
+        row.told = len(history)
+
+    def _propose(self, pending: List[int]) -> List[List[int]]:
+        out = []
+        gmax = self.spec.ctl.gmax
+        for i, row in enumerate(self.rows):
+            room = min(gmax, self.max_tokens[i] - self._num_tokens[i] - 1)
+            self._guard(row, self._sync, row, self.tokens[i] + [pending[i]])
+            drafts = self._guard(row, self.spec.drafter.draft, row.ctx, room) if room > 0 else None
+            out.append([int(t) for t in drafts[0]][:room] if drafts else [])
+        return out
+
+    # ------------------------------------------------------------ one call
+
+    def next(self) -> List[GenerationBatch.Response]:
+        if not self.uids:
+            return []
+        spec, B = self.spec, len(self.uids)
+        if spec is None or spec.no_draft or self.plain_left > 0 or spec.ctl.needs_plain(B):
+            if spec is not None and self.plain_left == 0 and spec.ctl.needs_plain(B):
+                self.plain_left = BatchController.PROBE
+            return self._plain()
+        caches = ragged(self.prompt_cache)
+        if caches is None:
+            kinds = ", ".join(sorted({type(c).__name__ for c in self.prompt_cache}))
+            spec.no_draft = f"the batch's caches cannot roll rows back apart ({kinds})"
+            log.warning(f"spec-decode: plain batched decoding: {spec.no_draft}")
+            for row in self.rows:
+                row.stats.fallback = spec.no_draft
+            return self._plain()
+        pending = self._next_tokens.tolist()
+        t0 = time.perf_counter()
+        drafts = self._propose(pending)
+        lengths = [len(d) for d in drafts]
+        if not any(lengths):
+            # Nothing to propose: a plain step, and after a few in a row
+            # (open text) pipelined runs that double (2, 4, 8 steps).
+            self.misses += 1
+            self.plain_left = 1 if self.misses <= MISS_RUN else 1 << min(self.misses - MISS_RUN, 3)
+            return self._plain()
+        self.misses = 0
+        gamma = spec.ctl.choose(B, lengths, [r.alpha for r in self.rows])
+        if gamma == 0:
+            self.plain_left = COST_RUN
+            return self._plain()
+        self.prompt_cache = caches
+        return self._round(pending, [d[:gamma] for d in drafts], t0)
+
+    def _plain(self) -> List[GenerationBatch.Response]:
+        """mlx-lm's own step (each row feeds its pending token, one emitted)."""
+        self.plain_left = max(0, self.plain_left - 1)
+        B = len(self.uids)
+        for row in self.rows:  # before the step: finished rows log on filter
+            row.stats.forwards += 1
+            row.stats.emitted += 1
+        t0 = time.perf_counter()
+        out = super().next()
+        if self.spec is not None and self.last_plain_b == B:
+            # Pipelined: this call waited for the previous step's forward.
+            self.spec.ctl.plain_step(B, time.perf_counter() - t0)
+        self.last_plain_b = len(self.uids) if len(self.uids) == B else 0
+        return out
+
+    def _round(
+        self, pending: List[int], drafts: List[List[int]], t0: float
+    ) -> List[GenerationBatch.Response]:
+        """One verify forward over every row's window, then per-row emission."""
+        B = len(self.uids)
+        W = 1 + max(len(d) for d in drafts)
+        windows = [[pending[i]] + d + [0] * (W - 1 - len(d)) for i, d in enumerate(drafts)]
+        logits = self.model(mx.array(windows, mx.uint32), cache=self.prompt_cache)
+        contexts = [
+            self._token_context[i].tokens if self.logits_processors[i] else None for i in range(B)
+        ]
+        lps, accepted, targets = verify(
+            logits,
+            windows,
+            drafts,
+            [r.rule for r in self.rows],
+            self.logits_processors,
+            contexts,
+        )
+        emitted, finish = [], []
+        for i in range(B):
+            toks = windows[i][: accepted[i] + 1]
+            reason = None
+            for n, tok in enumerate(toks):
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    reason = "length"
+                if self._matchers[i].advance(tok):
+                    reason = "stop"
+                if reason:
+                    toks = toks[: n + 1]
+                    break
+            emitted.append(toks)
+            finish.append(reason)
+        rollback(self.prompt_cache, [W - len(t) for t in emitted])
+        responses, keep = [], []
+        prev_lps = self._next_logprobs
+        for i, row in enumerate(self.rows):
+            toks, k, a = emitted[i], len(drafts[i]), accepted[i]
+            self.tokens[i].extend(toks)
+            if self.logits_processors[i]:
+                self._token_context[i].update_and_fetch(mx.array(toks, mx.int32))
+            st = row.stats
+            st.forwards += 1
+            st.emitted += len(toks)
+            if k:
+                st.draft_rounds += 1
+                st.drafted += k
+                st.accepted += min(a, len(toks) - 1)
+                row.observe(k, a)
+            row_lps = [prev_lps[i]] + [lps[i][j] for j in range(len(toks) - 1)]
+            for n, tok in enumerate(toks):
+                last = n == len(toks) - 1
+                done = finish[i] if last else None
+                responses.append(
+                    self.Response(
+                        uid=self.uids[i],
+                        token=tok,
+                        logprobs=row_lps[n],
+                        finish_reason=done,
+                        prompt_cache=self.extract_cache(i) if done else None,
+                        all_tokens=self.tokens[i] if done else None,
+                    )
+                )
+            if finish[i] is None:
+                keep.append(i)
+                self._guard(row, self.spec.drafter.accept, row.ctx, drafts[i][:a] + [targets[i]], a)
+                row.told = len(self.tokens[i]) + 1
+        self._current_tokens = mx.array(pending, mx.uint32)
+        self._current_logprobs = list(prev_lps)
+        self._next_tokens = mx.array(targets, mx.uint32)
+        self._next_logprobs = [lps[i][accepted[i]] for i in range(B)]
+        self.spec.ctl.verify_round(B, W, time.perf_counter() - t0)
+        self.last_plain_b = 0
+        if len(keep) < B:
+            self.filter(keep)
+        return responses
+
+
+class SpecBatchGenerator(BatchGenerator):
+    """mlx-lm's continuous batching with a drafter: see the module docstring."""
+
+    def __init__(self, model: Any, drafter: Any, gamma: int, gmax: int, **kwargs: Any):
+        super().__init__(model, **kwargs)
+        self.spec = SpecState(model, drafter, gamma, gmax)
+        self._generation_batch = SpecGenerationBatch.empty(self.model, self.sampler)
+        self._generation_batch.spec = self.spec
+
+    def insert_segments(self, segments: List[List[List[int]]], *args: Any, **kwargs: Any):
+        uids = super().insert_segments(segments, *args, **kwargs)
+        for uid in uids:
+            self.spec.begin(uid)
+        return uids
+
+    def remove(self, uids: List[int], return_prompt_caches: bool = False) -> Any:
+        for uid in uids:
+            self.spec.stats.pop(uid, None)
+        return super().remove(uids, return_prompt_caches)

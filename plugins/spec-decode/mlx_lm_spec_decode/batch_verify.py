@@ -1,0 +1,180 @@
+"""One batched verify forward's per-row acceptance, and the batch's draft length.
+
+``verify`` turns the logits of a forward over ``[B, W]`` windows (row i:
+its pending token, then its ``k_i`` drafts, then padding) into each row's
+log-probabilities, accepted count and next token, with the row's own
+sampler and logits processors (the rules of ``sampling``: greedy match,
+lossless speculative sampling, or sample-and-match).
+
+``BatchController`` picks the draft length γ for a round from the loop's own
+timings: per batch size B, the cost of a plain step and how much each extra
+window column adds, against the tokens each row is expected to gain from
+its drafts at its measured acceptance. γ = 0 (a plain batched step) wins
+whenever drafting does not pay, so a batch never decodes slower than the
+plain batched loop by more than the measurements' noise.
+"""
+
+from collections import deque
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from . import sampling
+
+
+class RowRule:
+    """How one row's tokens are drawn: its sampler, described once."""
+
+    def __init__(self, sampler: Any):
+        self.sampler = sampler
+        self.kind, self.temp, self.filt = sampling.describe(sampler)
+        self.checked = self.kind != "match"
+
+
+def row_logprobs(
+    logits: mx.array, processors: Sequence[Any], context: Optional[mx.array], window: List[int]
+) -> mx.array:
+    """``[n, V]`` log-probabilities of one row's first ``n`` window positions;
+    position p's processors see the row's tokens through ``window[p]``, as a
+    plain step that had fed ``window[p]`` would."""
+    if not processors:
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    win = mx.array(window, mx.int32)
+    base = context if context is not None else mx.zeros((0,), mx.int32)
+    rows = []
+    for p in range(logits.shape[0]):
+        toks = mx.concatenate([base.astype(mx.int32), win[: p + 1]])
+        row = logits[p : p + 1]
+        for proc in processors:
+            row = proc(toks, row)
+        rows.append(row)
+    out = mx.concatenate(rows, axis=0)
+    return out - mx.logsumexp(out, axis=-1, keepdims=True)
+
+
+def verify(
+    logits: mx.array,
+    windows: List[List[int]],
+    drafts: List[List[int]],
+    rules: List[RowRule],
+    processors: List[Sequence[Any]],
+    contexts: List[Optional[mx.array]],
+) -> Tuple[List[mx.array], List[int], List[int]]:
+    """Per row: log-probabilities ``[k_i + 1, V]``, accepted drafts, next token.
+
+    Everything is evaluated in one ``mx.eval``: the rows' logprobs (the
+    server reads each emitted token's) and their acceptance draws.
+    """
+    B = logits.shape[0]
+    plain = not any(processors)
+    lp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if plain else None
+    lps, pending = [], []
+    for i in range(B):
+        k = len(drafts[i])
+        if plain:
+            lp = lp_all[i, : k + 1]
+        else:
+            lp = row_logprobs(logits[i, : k + 1], processors[i], contexts[i], windows[i][: k + 1])
+        lps.append(lp)
+        rule = rules[i]
+        d = mx.array(drafts[i], mx.uint32)
+        if rule.kind == "greedy":
+            pending.append((mx.argmax(lp, axis=-1),))
+        elif rule.kind == "explicit":
+            pending.append(sampling.verify_explicit(lp, d, None, rule.temp, rule.filt))
+        else:
+            if not rule.checked:
+                sampling.check_sampler(rule.sampler, lp.shape[-1])
+                rule.checked = True
+            pending.append((sampling.verify_match(lp, rule.sampler),))
+    mx.eval(lps, pending)
+    accepted, targets = [], []
+    for i in range(B):
+        d, rule = drafts[i], rules[i]
+        if rule.kind == "explicit":
+            keep, res, bonus = (x.tolist() for x in pending[i])
+            a = keep.index(False) if False in keep else len(d)
+            targets.append(res[a] if a < len(d) else bonus[0])
+        else:
+            t = pending[i][0].tolist()
+            a = 0
+            while a < len(d) and t[a] == d[a]:
+                a += 1
+            targets.append(t[a])
+        accepted.append(a)
+    return lps, accepted, targets
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a round yields for a row with ``k`` drafts, each right with
+    probability ``alpha`` given the ones before it were (the row's own next
+    token included)."""
+    return sum(alpha**j for j in range(k + 1))
+
+
+class BatchController:
+    """γ per round from timings per batch size: plain steps against verify rounds."""
+
+    SAMPLES = 8  # recent timings kept per batch size (the fastest are the truest)
+    PROBE = 3  # plain steps in a row that time one (the first of a run is not timed)
+    EXPLORE = 2  # verify rounds timed per batch size before the cost model decides
+    SLACK = 1.05  # drafting must promise this much more throughput than plain steps
+    REPROBE = 48  # verify rounds at one batch size between plain re-measurements
+
+    def __init__(self, gamma: int, gmax: int, adaptive: bool = True, auto_off: bool = True):
+        self.gmax = max(1, gmax)
+        self.gamma = max(1, min(gamma, self.gmax))
+        self.adaptive, self.auto_off = adaptive, auto_off
+        self.plain: Dict[int, deque] = {}
+        self.verify: Dict[int, deque] = {}  # B -> (window width, seconds)
+        self.rounds: Dict[int, int] = {}
+
+    def needs_plain(self, B: int) -> bool:
+        """Whether plain steps at this batch size must be timed before deciding."""
+        if not self.auto_off:
+            return False
+        return len(self.plain.get(B, ())) < 2 or self.rounds.get(B, 0) >= self.REPROBE
+
+    def plain_step(self, B: int, seconds: float) -> None:
+        q = self.plain.setdefault(B, deque(maxlen=self.SAMPLES))
+        if self.rounds.get(B, 0) >= self.REPROBE:
+            self.rounds[B] = 0
+            q.clear()  # a fresh reading: the machine's load changes
+        q.append(seconds)
+
+    def verify_round(self, B: int, width: int, seconds: float) -> None:
+        self.verify.setdefault(B, deque(maxlen=self.SAMPLES)).append((width, seconds))
+        self.rounds[B] = self.rounds.get(B, 0) + 1
+
+    def cost(self, B: int) -> Optional[Tuple[float, float]]:
+        """``(p, b)``: seconds of a plain step and of each extra window column."""
+        plain, ver = self.plain.get(B), [s for s in self.verify.get(B, ()) if s[0] > 1]
+        if not plain or len(ver) < self.EXPLORE:
+            return None
+        p = min(plain)
+        b = max(0.0, min((t - p) / (w - 1) for w, t in ver))
+        return p, b
+
+    def choose(self, B: int, proposed: List[int], alphas: List[float]) -> int:
+        """Draft length for this round (0: a plain batched step)."""
+        top = max(proposed, default=0)
+        if top == 0:
+            return 0
+        if not self.adaptive:
+            return min(self.gamma, top)
+        cost = self.cost(B) if self.auto_off else None
+        if cost is None:
+            return min(self.gamma, top)  # explore (or no switch-off asked for)
+        p, b = cost
+        plain_rate = B / p
+        best, best_rate = 0, plain_rate * self.SLACK
+        for g in range(1, min(self.gmax, top) + 1):
+            tokens = sum(
+                expected_tokens(a, min(g, n)) for a, n in zip(alphas, proposed, strict=True)
+            )
+            rate = tokens / (p + b * g)
+            if rate > best_rate:
+                best, best_rate = g, rate
+        if best:
+            self.gamma = best
+        return best

@@ -1,0 +1,167 @@
+"""A batch KV cache whose rows each roll back by their own amount.
+
+After a verify forward over ``[B, W]`` every row of mlx-lm's
+``BatchKVCache`` has W new entries, and row i keeps only its first
+``1 + a_i``. ``BatchKVCache.trim`` drops the same number from every row, and
+``prepare(right_padding=...)`` / ``finalize()`` shift each row with a roll
+of the whole buffer (a copy of the cache every round). Here the entries
+common to all rows go with ``trim``, and the rest become *holes*: slots the
+attention mask hides (``make_mask``) and the row's ``offset`` no longer
+counts, so positions (RoPE) stay those of the kept tokens. Nothing is
+copied per round; ``compact`` squeezes the holes out once they are many, and
+``extract`` (what a finished request hands the prompt cache) gathers only
+kept entries, so the stored cache equals mlx-lm's.
+
+Only plain ``BatchKVCache`` layers are converted (``of``); a sliding-window
+``BatchRotatingKVCache`` rotates its slots, so a batch with one decodes
+without drafts.
+"""
+
+from typing import Any, List, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+# Squeeze the holes out once a row has this many (a gather of the whole cache).
+COMPACT_HOLES = 64
+
+
+class RaggedKVCache(BatchKVCache):
+    """``BatchKVCache`` plus ``holes`` (``[B, _idx]`` bool, True: masked out)."""
+
+    holes: Optional[mx.array] = None
+
+    @classmethod
+    def of(cls, cache: BatchKVCache) -> "RaggedKVCache":
+        """The same rows and buffers as ``cache`` (shared, not copied), with no holes."""
+        if isinstance(cache, cls):
+            return cache
+        out = cls.__new__(cls)
+        out.__dict__.update(cache.__dict__)
+        out.holes = None
+        return out
+
+    def _fit_holes(self) -> None:
+        if self.holes is not None and self.holes.shape[1] != self._idx:
+            h = self.holes[:, : self._idx]
+            if h.shape[1] < self._idx:
+                pad = mx.zeros((h.shape[0], self._idx - h.shape[1]), mx.bool_)
+                h = mx.concatenate([h, pad], axis=1)
+            self.holes = h
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        out = super().update_and_fetch(keys, values)
+        self._fit_holes()
+        return out
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        mask = super().make_mask(N, return_array=return_array, **kwargs)
+        if self.holes is None:
+            return mask
+        keep = ~self.holes[:, : self._idx]
+        keep = mx.concatenate([keep, mx.ones((keep.shape[0], N), mx.bool_)], axis=1)
+        return mask & keep[:, None, None, :]
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        self._fit_holes()
+        return n
+
+    def rollback(self, drop: List[int]) -> None:
+        """Row i forgets its last ``drop[i]`` entries."""
+        common = min(drop)
+        if common:
+            self.trim(common)
+        rest = [d - common for d in drop]
+        if not any(rest):
+            return
+        rest_arr = mx.array(rest)
+        self.offset = self.offset - rest_arr
+        new = mx.arange(self._idx)[None] >= (self._idx - rest_arr)[:, None]
+        self.holes = new if self.holes is None else (self.holes | new)
+
+    def hole_count(self) -> int:
+        return 0 if self.holes is None else int(self.holes.sum(axis=1).max().item())
+
+    def compact(self) -> None:
+        """Squeeze the holes out: one gather of the kept entries, left-padded again."""
+        if self.holes is None or self.keys is None:
+            self.holes = None
+            return
+        holes = np.array(self.holes[:, : self._idx])
+        left = self.left_padding.tolist()
+        rows = [np.flatnonzero(~holes[i, left[i] :]) + left[i] for i in range(len(left))]
+        length = max(len(r) for r in rows)
+        idx = np.zeros((len(rows), length), np.int32)
+        for i, r in enumerate(rows):
+            if len(r):
+                idx[i, length - len(r) :] = r
+        take = mx.array(idx)[:, None, :, None]
+        self.keys = mx.take_along_axis(self.keys[..., : self._idx, :], take, axis=2)
+        self.values = mx.take_along_axis(self.values[..., : self._idx, :], take, axis=2)
+        self.left_padding = mx.array([length - len(r) for r in rows])
+        self._idx = length
+        self.holes = None
+
+    def filter(self, batch_indices: List[int]) -> None:
+        holes = None
+        if self.holes is not None:
+            holes = self.holes[mx.array(batch_indices, mx.int32)] if batch_indices else None
+        before = self._idx
+        super().filter(batch_indices)
+        if holes is not None:
+            holes = holes[:, before - self._idx :]
+            self.holes = holes if bool(holes.any().item()) else None
+        else:
+            self.holes = None
+
+    def extend(self, other: Any) -> None:
+        mine, theirs = self.holes, getattr(other, "holes", None)
+        n_self, n_other = self.offset.shape[0], other.offset.shape[0]
+        idx_self, idx_other = self._idx, other._idx
+        super().extend(other)
+        if mine is None and theirs is None:
+            return
+
+        def padded(h, rows, idx):
+            h = mx.zeros((rows, idx), mx.bool_) if h is None else h[:, :idx]
+            left = self._idx - idx
+            if left:
+                h = mx.concatenate([mx.zeros((rows, left), mx.bool_), h], axis=1)
+            return h
+
+        self.holes = mx.concatenate(
+            [padded(mine, n_self, idx_self), padded(theirs, n_other, idx_other)], axis=0
+        )
+
+    def extract(self, idx: int) -> KVCache:
+        if self.holes is None:
+            return super().extract(idx)
+        pad = self.left_padding.tolist()[idx]
+        keep = np.flatnonzero(~np.array(self.holes[idx, pad : self._idx])) + pad
+        sel = mx.array(keep.astype(np.int32))
+        cache = KVCache()
+        cache.keys = mx.contiguous(mx.take(self.keys[idx : idx + 1], sel, axis=2))
+        cache.values = mx.contiguous(mx.take(self.values[idx : idx + 1], sel, axis=2))
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+
+def ragged(caches: List[Any]) -> Optional[List[RaggedKVCache]]:
+    """The batch's caches as ``RaggedKVCache`` (same buffers), or ``None`` when
+    some layer is not a plain ``BatchKVCache`` (its rows cannot roll back apart)."""
+    if not all(type(c) in (BatchKVCache, RaggedKVCache) for c in caches):
+        return None
+    return [RaggedKVCache.of(c) for c in caches]
+
+
+def rollback(caches: List[RaggedKVCache], drop: List[int]) -> None:
+    """Every layer's row i forgets its last ``drop[i]`` entries; compact when holey."""
+    if not any(drop):
+        return
+    for c in caches:
+        c.rollback(drop)
+    if caches[0].holes is not None and caches[0].hole_count() >= COMPACT_HOLES:
+        for c in caches:
+            c.compact()
