@@ -1,0 +1,198 @@
+"""Drafting inside mlx-lm's continuous batching (``batch.SpecBatchGenerator``),
+in process against mlx-lm's own ``BatchGenerator``: token identity and equal
+caches for greedy rows (rows joining mid-stream, stop tokens, max_tokens,
+logits processors), one row's drafter failing, a sliding-window batch
+falling back, and the sampled rows' distributions (chi-square)."""
+
+import logging
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import apply_top_k, make_logits_processors, make_sampler
+from test_sampling import TEMP, chi2, chi2_critical, target_probs
+
+from mlx_lm_spec_decode import Drafter, NGramDrafter
+from mlx_lm_spec_decode.batch import SpecBatchGenerator
+from mlx_lm_spec_decode.ragged import RaggedKVCache
+
+TEXT = "one two three four five six seven eight nine ten. "
+
+
+def drive(gen, prompts, max_tokens, late=None, **kw):
+    """Run ``gen`` to the end: tokens, finish reasons and caches per request.
+    ``late``: ``(after_calls, prompt, max_tokens)`` inserted mid-stream."""
+    uids = gen.insert(prompts, max_tokens=max_tokens, **kw)
+    out, done, calls = {u: [] for u in uids}, {}, 0
+    while len(done) < len(out):
+        _, responses = gen.next()
+        calls += 1
+        if late and calls == late[0]:
+            (u,) = gen.insert([late[1]], max_tokens=[late[2]])
+            out[u] = []
+        for r in responses:
+            out[r.uid].append(r.token)
+            if r.finish_reason:
+                done[r.uid] = (r.finish_reason, r.prompt_cache, list(r.all_tokens))
+    return [(out[u], *done[u]) for u in sorted(out)]
+
+
+def closed_stats(gen):
+    """The figures of every row that leaves ``gen``'s generation batch, as it leaves."""
+    rows, batch = [], gen._generation_batch
+    close = batch._close
+    batch._close = lambda i, row: rows.append(row.stats) or close(i, row)
+    return rows
+
+
+def assert_same(stock, ours):
+    for (t1, f1, c1, a1), (t2, f2, c2, a2) in zip(stock, ours, strict=True):
+        assert t1 == t2 and f1 == f2 and a1 == a2
+        for x, y in zip(c1, c2, strict=True):
+            assert type(x) is type(y) and x.offset == y.offset
+            for u, v in ((x.keys, y.keys), (x.values, y.values)):
+                u, v = u[..., : x.offset, :], v[..., : y.offset, :]
+                assert u.shape == v.shape and mx.allclose(u, v, atol=1e-4).item()
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return load(str(tiny_model("llama")))
+
+
+def prompts_of(tok):
+    return [
+        tok.encode(TEXT * 3),
+        tok.encode("hello " + TEXT),
+        tok.encode("x y " + TEXT * 5 + "one two"),
+    ]
+
+
+def test_greedy_rows_match_stock_tokens_and_caches(llama):
+    model, tok = llama
+    prompts = prompts_of(tok)
+    procs = [None, make_logits_processors(repetition_penalty=1.5), None]
+    # Row 1 stops at the token a penalized run emits 12th.
+    stop = drive(BatchGenerator(model), prompts, [40, 25, 60], logits_processors=procs)[1][0][11]
+    kw = dict(
+        logits_processors=procs,
+        stop_sequences=[StopSequences(), StopSequences([[stop]]), StopSequences()],
+    )
+    late = (3, tok.encode("late " + TEXT * 2), 17)
+    stock = drive(BatchGenerator(model), prompts, [40, 25, 60], late, **kw)
+    gen = SpecBatchGenerator(model, NGramDrafter(n_min=1, auto_off=False), 4, 10)
+    rows = closed_stats(gen)
+    ours = drive(gen, prompts, [40, 25, 60], late, **kw)
+    assert_same(stock, ours)
+    assert {r[1] for r in ours} == {"length", "stop"}
+    # Drafts were kept and rejected (the penalized row), so rows rolled back apart.
+    assert sorted(s.emitted for s in rows) == sorted(len(r[0]) for r in ours)
+    assert sum(s.accepted for s in rows) > 0
+    assert any(s.drafted > s.accepted for s in rows)
+
+
+def test_one_drafter_failure_disables_that_row_only(llama, caplog):
+    model, tok = llama
+    prompts = prompts_of(tok)
+    bad = prompts[1][0]
+
+    class Flaky(NGramDrafter):
+        def draft(self, ctx, n):
+            if ctx.cache[0].tokens[0] == bad:
+                raise RuntimeError("lookup broke")
+            return super().draft(ctx, n)
+
+    gen = SpecBatchGenerator(model, Flaky(n_min=1, auto_off=False), 4, 10)
+    rows = closed_stats(gen)
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_spec_decode"):
+        ours = drive(gen, prompts, [30, 30, 30])
+    assert_same(drive(BatchGenerator(model), prompts, [30, 30, 30]), ours)
+    failed = [s for s in rows if s.fallback]
+    assert len(failed) == 1 and "lookup broke" in failed[0].fallback
+    assert failed[0].drafted == 0 and all(s.drafted > 0 for s in rows if not s.fallback)
+    assert sum("lookup broke" in r.message for r in caplog.records) == 1
+
+
+def test_sliding_window_batch_decodes_plainly_with_one_warning(tiny_model, caplog):
+    model, tok = load(str(tiny_model("gemma3_text")))
+    prompts = prompts_of(tok)
+    gen = SpecBatchGenerator(model, NGramDrafter(n_min=1, auto_off=False), 4, 10)
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_spec_decode"):
+        ours = drive(gen, prompts, [20, 12, 16])
+    assert_same(drive(BatchGenerator(model), prompts, [20, 12, 16]), ours)
+    assert sum("cannot roll rows back apart" in r.message for r in caplog.records) == 1
+
+
+def test_ragged_rollback_keeps_each_rows_entries(llama):
+    """The cache alone: rows roll back by their own amounts, extract equals
+    a cache that never held the dropped entries, and compaction keeps them."""
+    model, tok = llama
+    from mlx_lm.models.cache import BatchKVCache
+
+    def batch_cache(rows):
+        caches = [BatchKVCache([max(map(len, rows)) - len(r) for r in rows]) for _ in model.layers]
+        width = max(map(len, rows))
+        padded = [[0] * (width - len(r)) + r for r in rows]
+        model(mx.array(padded), cache=caches)
+        return caches
+
+    a, b = tok.encode(TEXT * 2), tok.encode("hello there " + TEXT)
+    ragged = [RaggedKVCache.of(c) for c in batch_cache([a + [5, 6, 7], b + [8, 9, 10]])]
+    for c in ragged:
+        c.rollback([3, 1])  # row 0 keeps a, row 1 keeps b + [8, 9]
+    want = batch_cache([a, b + [8, 9]])
+    for c, w in zip(ragged, want, strict=True):
+        for i in range(2):
+            x, y = c.extract(i), w.extract(i)
+            assert x.offset == y.offset and mx.allclose(x.keys, y.keys, atol=1e-5).item()
+    for c in ragged:
+        c.compact()
+        assert c.holes is None
+    for c, w in zip(ragged, want, strict=True):
+        x, y = c.extract(1), w.extract(1)
+        assert mx.allclose(x.values, y.values, atol=1e-5).item()
+
+
+class Fixed(Drafter):
+    name, auto_off, adaptive, batches = "fixed", False, False, True
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def draft(self, ctx, n):
+        return self.tokens[:n], None
+
+
+N = 500
+
+
+def test_sampled_rows_match_the_target_distribution(llama):
+    """Two sampled rows in one batch, drafts sometimes right: each row's second
+    token (the first one the verify forward decides) follows the target."""
+    model, tok = llama
+    prompt = tok.encode("the cat sat on the")
+    filt = lambda lp: apply_top_k(lp, 6)  # noqa: E731
+    procs = make_logits_processors(repetition_penalty=2.0)
+    p1 = target_probs(model, prompt, filt, None, 1)
+    first = sorted(p1, key=p1.get, reverse=True)[0]
+    p2 = target_probs(model, prompt + [first], filt, None, 2)
+    d = sorted(p2, key=p2.get, reverse=True)[1]  # often rejected, often kept
+    mx.random.seed(0)
+    sampler = make_sampler(TEMP, top_k=6)
+    seconds = [Counter(), Counter()]
+    for _ in range(N):
+        gen = SpecBatchGenerator(model, Fixed([d, d]), 2, 2)
+        res = drive(gen, [prompt, prompt], [2, 2], samplers=[sampler, sampler],
+                    logits_processors=[None, procs])  # fmt: skip
+        for row, (toks, *_rest) in enumerate(res):
+            seconds[row][toks[1]] += 1
+    for row, processors in enumerate([None, procs]):
+        p1 = target_probs(model, prompt, filt, processors, 1)
+        want = Counter()
+        for t1, q1 in p1.items():
+            for t2, q2 in target_probs(model, prompt + [t1], filt, processors, 2).items():
+                want[t2] += q1 * q2
+        stat, df = chi2(seconds[row], dict(want), N)
+        assert stat < chi2_critical(df), (row, stat, df)
