@@ -176,8 +176,50 @@ def make_loss(name: str, model: Any, args: argparse.Namespace, options: Any) -> 
     """Return a training loss for ``--loss name``, or ``None``.
 
     The loss has mlx-lm's ``default_loss(model, batch, lengths)`` signature
-    and returns ``(mean_loss, ntokens)``. It is used for training and
-    evaluation in ``mlx_lm.lora`` and must work inside the compiled step.
+    (``loss(model, *batch)`` with the plugin's ``iterate_batches``) and
+    returns ``(mean_loss, ntokens)``. It is used for training and evaluation
+    in ``mlx_lm.lora`` and must work inside the compiled step. A loss with a
+    ``metrics`` attribute (a tuple of names) returns ``(mean_loss, ntokens,
+    values)`` instead, ``values`` a ``[len(metrics)]`` array of the batch's
+    means: the host averages them over the batches of each report and prints
+    them beside mlx-lm's train, validation and test lines
+    (``mlx_lm_ext/training.py``).
+    """
+
+
+@hookspec
+def loss_names() -> List[str]:
+    """Return the ``--loss`` names this plugin provides besides its own name.
+
+    E.g. ``["orpo", "dpo"]``: ``mlx_lm.lora --loss orpo`` (or ``loss: orpo``
+    in the YAML) then activates this plugin and calls ``make_loss`` with
+    ``name="orpo"``. Read from the plugin's module without registering it
+    (``plugins.loss_provider``), like ``commands``.
+    """
+
+
+@hookspec(firstresult=True)
+def load_dataset(
+    name: str, args: argparse.Namespace, tokenizer: Any, options: Any
+) -> Optional[Tuple[Any, Any, Any]]:
+    """Return ``(train, valid, test)`` datasets for ``--loss name``, or ``None``.
+
+    Called where ``mlx_lm.lora`` loads its data (``load_dataset(args,
+    tokenizer)`` in ``run``, after the model is loaded), for a loss whose rows
+    are not mlx-lm's formats. Each dataset is what mlx-lm's ``CacheDataset``
+    wraps: ``len``, ``[i]`` and ``process(row)``. Raise ``PluginError`` for a
+    bad row, naming its file and line (exit 2). ``None``: mlx-lm's own loader.
+    """
+
+
+@hookspec(firstresult=True)
+def iterate_batches(name: str, args: argparse.Namespace, options: Any) -> Optional[Callable]:
+    """Return the batch iterator for ``--loss name``, or ``None`` for mlx-lm's.
+
+    It has ``mlx_lm.tuner.trainer.iterate_batches``'s signature
+    ``(dataset, batch_size, max_seq_length, loop=False, seed=None,
+    comm_group=None)`` and yields tuples of arrays; the loss gets each tuple
+    as ``loss(model, *batch)``. Used for training, validation and ``--test``.
     """
 
 

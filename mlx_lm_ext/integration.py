@@ -41,11 +41,12 @@ def loss_plugin(loss: Optional[str]) -> Optional[str]:
     """The plugin behind ``--loss NAME`` (None for mlx-lm's own); exits 2 if none."""
     if loss in (None, "default"):
         return None
-    installed = plugins.installed()
-    if loss not in installed or "lora" not in plugins.extends(loss):
-        losses = [n for n in sorted(installed) if "lora" in plugins.extends(n)]
+    provider = plugins.loss_provider(loss)
+    if provider is None:
+        lora = [n for n in sorted(plugins.installed()) if "lora" in plugins.extends(n)]
+        losses = [x for n in lora for x in plugins.loss_names(n)]
         plugins.fail(f"unknown loss '{loss}' (losses: {', '.join(['default', *losses])})")
-    return loss
+    return provider
 
 
 def _plugin_help():
@@ -83,8 +84,9 @@ def extend_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Arg
         names, loss = _prescan(argv, command)
         # A loss named here brings its flags; an unknown one is reported by
         # lora's run(), after its YAML merge (the YAML may name the loss).
-        if loss not in (None, "default") and loss in plugins.installed() and loss not in names:
-            names.append(loss)
+        provider = None if loss in (None, "default") else plugins.loss_provider(loss)
+        if provider is not None and provider not in names:
+            names.append(provider)
         try:
             for name in names:
                 plugins.check_command(name, command)
@@ -208,9 +210,9 @@ def _patch_server(mod):
 
 def _activate_lora(args):
     names = plugins.split_names(getattr(args, "plugin", None))
-    loss = loss_plugin(getattr(args, "loss", None))
-    if loss is not None and loss not in names:
-        names.append(loss)
+    provider = loss_plugin(getattr(args, "loss", None))
+    if provider is not None and provider not in names:
+        names.append(provider)
     for name in names:
         try:
             plugins.check_command(name, "lora")
@@ -221,38 +223,10 @@ def _activate_lora(args):
         except PluginError as e:
             plugins.fail(str(e))
     activate_cli(names, "lora", args)
-    if loss is not None:
-        _install_loss(loss, args)
+    if provider is not None:
+        from . import training  # imports mlx: only for a lora run with a plugin's loss
 
-
-def _install_loss(name, args):
-    mod = sys.modules["mlx_lm.lora"]
-    made = {}
-
-    def loss_for(model):
-        # One loss per model: train and evaluate share its one-time checks.
-        if id(model) not in made:
-            fn = plugins.first("make_loss", name=name, model=model, args=args)
-            if fn is None:
-                plugins.fail(f"no active plugin provides the loss '{name}'")
-            made[id(model)] = fn
-        return made[id(model)]
-
-    def with_loss(fn):
-        @functools.wraps(fn)
-        def wrapper(*a, **kw):
-            if kw.get("loss") is None:
-                model = kw.get("model", a[0] if a else None)
-                kw["loss"] = loss_for(model)
-            try:
-                return fn(*a, **kw)
-            except PluginError as e:  # bad input found on the first batch: exit 2, one line
-                plugins.fail(str(e))
-
-        return wrapper
-
-    patching.wrap("lora.loss", mod, "train", with_loss)
-    patching.wrap("lora.loss", mod, "evaluate", with_loss)
+        training.install(args.loss, args)
 
 
 # ------------------------------------------------------- activation patches

@@ -147,6 +147,26 @@ def extends(name: str) -> List[str]:
         return []
 
 
+def loss_names(name: str) -> List[str]:
+    """The ``--loss`` names plugin ``name`` provides: its own and its ``loss_names``."""
+    ep = installed().get(name)
+    try:
+        more = getattr(ep.load(), "loss_names", None) if ep is not None else None
+        return [name, *(more() or [])] if callable(more) else [name]
+    except Exception:
+        return [name]
+
+
+def loss_provider(loss: Optional[str]) -> Optional[str]:
+    """The installed plugin extending lora that provides ``--loss loss`` (or None)."""
+    if not loss:
+        return None
+    lora = [n for n in sorted(installed()) if "lora" in extends(n)]
+    if loss in lora:
+        return loss
+    return next((n for n in lora if loss in loss_names(n)), None)
+
+
 def check_command(name: str, command: str) -> None:
     """Refuse a plugin named on a command it does not extend."""
     cmds = commands_of(name)

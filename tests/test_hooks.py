@@ -159,11 +159,11 @@ def test_no_mlx_lm_attribute_is_assigned_outside_the_ledger():
 def test_a_plugin_error_while_training_exits_2_in_one_line(host, monkeypatch, capsys):
     import types
 
-    from mlx_lm_ext import PluginError, integration, patching
+    from mlx_lm_ext import PluginError, integration, patching, training
 
     lora = types.ModuleType("mlx_lm.lora")
 
-    def train(model, loss=None):
+    def train(model, loss=None, **kw):
         return loss()
 
     lora.train = lora.evaluate = train
@@ -173,7 +173,7 @@ def test_a_plugin_error_while_training_exits_2_in_one_line(host, monkeypatch, ca
         raise PluginError("--budget 1M is below what any path needs")
 
     monkeypatch.setattr(integration.plugins, "first", lambda *a, **k: bad_loss)
-    integration._install_loss("some-loss", None)
+    training.install("some-loss", None)
     try:
         with pytest.raises(SystemExit) as exit_:
             lora.train(object())

@@ -1,4 +1,4 @@
-"""mlx-lm-ext hooks: ``mlx_lm.lora --loss flash-cce`` and ``mlx-lm-ext doctor``.
+"""mlx-lm-ext hooks: ``mlx_lm.lora --loss flash-cce`` (and ``--loss orpo|dpo``) and ``mlx-lm-ext doctor``.
 
 Flags (lora; all default to None so a YAML config can set them, the real
 defaults are applied in ``activate``):
@@ -14,6 +14,11 @@ defaults are applied in ``activate``):
 ``--cce-no-check``      skip the one-time self-check against the model's logits
 ``--cce-memory-budget`` most working memory of the loss head above its inputs,
                         e.g. 512M, 2G (default: budget.default_for the batch)
+``--beta``              ORPO / DPO strength (default 0.1)
+
+``--loss orpo`` and ``--loss dpo`` (``loss_names``) train on preference
+pairs: this plugin loads the rows (``pairs.py``), batches them by pairs and
+computes the loss from shared-prompt log-probs (``preference.py``).
 """
 
 import argparse
@@ -23,6 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from mlx_lm_ext import PluginError, hookimpl
 
 NAME = "flash-cce"
+PREFERENCE = ("orpo", "dpo")  # the extra --loss names (preference.LOSSES)
+PREF_KEY = "preference"
 
 DEFAULTS = {
     "cce_impl": "auto",
@@ -46,9 +53,21 @@ def commands() -> List[str]:
 
 
 @hookimpl
+def loss_names() -> List[str]:
+    return list(PREFERENCE)
+
+
+@hookimpl
 def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
     if command != "lora":
         return
+    group.add_argument(
+        "--beta",
+        type=float,
+        default=None,
+        metavar="BETA",
+        help="--loss orpo / dpo: strength of the preference term (default 0.1)",
+    )
     group.add_argument(
         "--cce-impl",
         choices=("auto", "flash", "stock", "chunked"),
@@ -110,7 +129,7 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         metavar="SIZE",
         help="most working memory the loss head may use above its inputs, e.g. 512M or 2G; "
         "the auto backend keeps the fastest path within it (default: half of what "
-        "the stock loss would hold, at most 2G)",
+        "the stock loss would hold, at most 3G)",
     )
 
 
@@ -157,9 +176,19 @@ def options_from(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+def _beta(args):
+    beta = getattr(args, "beta", None)
+    beta = 0.1 if beta is None else beta
+    if not isinstance(beta, (int, float)) or not beta > 0:
+        raise PluginError(f"--beta must be a positive number, got {beta!r}")
+    return float(beta)
+
+
 @hookimpl
 def activate(command: str, args: argparse.Namespace) -> Any:
     options = options_from(args if args is not None else argparse.Namespace())
+    # Preference losses' own options; make_loss leaves them out of the cce ones.
+    options[PREF_KEY] = {"beta": _beta(args), "sets": ()}
     if command == "lora" and not log.handlers:
         # mlx_lm.lora configures no logging: show the auto backend's one line.
         handler = logging.StreamHandler()
@@ -181,13 +210,64 @@ def deactivate() -> None:
 
 @hookimpl
 def make_loss(name: str, model: Any, args: argparse.Namespace, options: Any) -> Optional[Callable]:
-    if name != NAME:
+    if name != NAME and name not in PREFERENCE:
         return None
+    if options is None:
+        options = dict(options_from(args), **{PREF_KEY: {"beta": _beta(args), "sets": ()}})
+    cce = {k: v for k, v in options.items() if k != PREF_KEY}
+    if name in PREFERENCE:
+        return _preference_loss(name, model, args, options[PREF_KEY], cce)
     from .loss import make_loss as build
 
     # A PluginError raised on the first batch (a memory budget no path fits)
     # reaches the host, which exits 2 with its message.
-    return build(model, **(options if options is not None else options_from(args)))
+    return build(model, **cce)
+
+
+def _preference_loss(name, model, args, pref, cce):
+    from . import preference
+
+    if name == "dpo" and not getattr(args, "train", True) and _full_weights(args):
+        raise PluginError(
+            "--loss dpo --test without --train: the adapter folder holds fully fine-tuned "
+            "weights, so the base model that DPO's reference log-probs need is gone; "
+            "test with the same command that trained (--train --test)"
+        )
+    return preference.make_loss(
+        model, name, beta=pref["beta"], sets=pref["sets"], batch_size=args.batch_size, **cce
+    )
+
+
+def _full_weights(args):
+    import json
+    from pathlib import Path
+
+    path = Path(str(getattr(args, "adapter_path", "") or "")) / "adapter_config.json"
+    try:
+        return json.loads(path.read_text()).get("fine_tune_type") == "full"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@hookimpl
+def load_dataset(name: str, args: argparse.Namespace, tokenizer: Any, options: Any) -> Any:
+    if name not in PREFERENCE:
+        return None
+    from . import pairs
+
+    sets = pairs.load(args, tokenizer)
+    if options is not None:
+        options[PREF_KEY]["sets"] = sets  # DPO's reference covers every split
+    return sets
+
+
+@hookimpl
+def iterate_batches(name: str, args: argparse.Namespace, options: Any) -> Optional[Callable]:
+    if name not in PREFERENCE:
+        return None
+    from . import pairs
+
+    return pairs.iterate_batches
 
 
 @hookimpl
