@@ -97,6 +97,8 @@ def render(row: Any, tokenizer: Any) -> Tuple[List[int], List[int], List[int]]:
         eos = tokenizer.eos_token_id
         out = [ids]
         for key in ("chosen", "rejected"):
+            if not row[key].strip():
+                raise ValueError(f"'{key}' is empty")
             resp = list(tokenizer.encode(row[key], add_special_tokens=False))
             out.append(resp + [eos] if eos is not None else resp)
     elif _is_messages(prompt):

@@ -1,0 +1,326 @@
+"""Preference training: the shared-prompt forward, the losses, the pair data."""
+
+import json
+import logging
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from cce_helpers import near
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes
+
+from mlx_lm_ext import PluginError, backbone
+from mlx_lm_ext.testing import tiny_config
+from mlx_lm_flash_cce import pairs, preference, shared_prompt
+
+VOCAB = 512
+_BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+# Every architecture flash-cce's registry names (mlx_lm_ext.backbone.ARCHS).
+CONFIGS = {
+    "llama": tiny_config("llama", vocab_size=VOCAB),
+    "qwen2": {"model_type": "qwen2", **_BASE},
+    "qwen3": tiny_config("qwen3", vocab_size=VOCAB),
+    "phi3": tiny_config("phi3", vocab_size=VOCAB),
+    # sliding window 8: the probe and the batch below are longer than that
+    "gemma3_text": tiny_config("gemma3_text", vocab_size=VOCAB),
+    "gemma2": {
+        "model_type": "gemma2",
+        **_BASE,
+        "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "gpt2": tiny_config("gpt2", vocab_size=VOCAB),
+    "cohere": {
+        "model_type": "cohere",
+        **_BASE,
+        "layer_norm_eps": 1e-5,
+        "logit_scale": 0.5,
+        "use_qk_norm": False,
+    },
+    "granite": {
+        "model_type": "granite",
+        **_BASE,
+        "logits_scaling": 4.0,
+        "attention_multiplier": 0.25,
+        "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.5,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+}
+# gemma2's own attention reshapes queries per KV group, which a per-row mask
+# [B, 1, N, K] does not broadcast against: it runs unshared (logged).
+UNSHARED = {"gemma2"}
+
+
+def _model(arch, quantized=False, **overrides):
+    config = dict(CONFIGS[arch], **overrides)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(config))
+    if arch == "gemma3_text":
+        model.sanitize({})  # tie the head as mlx-lm does for a checkpoint without lm_head
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def _batch(b_prompts=(9, 4), r_lens=(6, 3, 2, 7)):
+    """Pairs of different prompt and response lengths, right-padded."""
+    key = mx.random.key(3)
+    k1, k2 = mx.random.split(key)
+    p, r = max(b_prompts), max(r_lens)
+    prompts = mx.random.randint(1, VOCAB, (len(b_prompts), p), key=k1)
+    responses = mx.random.randint(1, VOCAB, (len(r_lens), r), key=k2)
+    plens, rlens = mx.array(b_prompts), mx.array(r_lens)
+    # padding holds other tokens than the real ones: it must not matter
+    prompts = mx.where(mx.arange(p)[None] < plens[:, None], prompts, 0)
+    responses = mx.where(mx.arange(r)[None] < rlens[:, None], responses, 0)
+    return prompts, plens, responses, rlens
+
+
+def _seq_logps(hidden_of, arch_):
+    def f(model, prompts, plens, responses, rlens):
+        hidden = hidden_of(model, arch_, prompts, plens, responses)
+        from mlx_lm_flash_cce import api
+
+        ce = api.linear_cross_entropy(
+            hidden,
+            arch_.head(model),
+            responses,
+            softcap=arch_.softcap(model),
+            logit_scale=arch_.logit_scale(model),
+            reduction="none",
+            impl="flash",
+            backend="mlx",
+        )
+        return preference.sequence_logps(-ce, rlens)
+
+    return f
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_shared_prompt_equals_two_full_sequences(arch):
+    """Log-probs and every gradient: prompt once == prompt per response == the model's logits."""
+    model = _model(arch)
+    _, arch_ = backbone.resolve(model)
+    ok, why = shared_prompt.check(model, arch_, VOCAB)
+    assert ok == (arch not in UNSHARED), why
+    batch = _batch()
+    model.train()
+    results = {}
+    for name, hidden_of in (
+        ("shared", shared_prompt.shared_hidden),
+        ("unshared", shared_prompt.unshared_hidden),
+    ):
+        f = _seq_logps(hidden_of, arch_)
+
+        def objective(model, *batch, f=f):
+            seq = f(model, *batch)
+            return (seq * mx.array([1.0, -0.5, 0.3, 2.0])).sum()  # every row counts
+
+        if name == "shared" and not ok:
+            with pytest.raises(ValueError):
+                mx.eval(nn.value_and_grad(model, objective)(model, *batch))
+            continue
+        value, grads = nn.value_and_grad(model, objective)(model, *batch)
+        results[name] = (f(model, *batch), dict(tree_flatten(grads)))
+    want = shared_prompt.stock_logps(model, *batch[:3])
+    mask = mx.arange(want.shape[1])[None] < batch[3][:, None]
+    stock = (want * mask).sum(axis=1)
+    seq_u, grads_u = results["unshared"]
+    assert near(seq_u, stock, 1e-5)
+    if ok:
+        seq_s, grads_s = results["shared"]
+        assert near(seq_s, seq_u, 1e-5)
+        assert grads_s.keys() == grads_u.keys()
+        for key in grads_u:
+            assert near(grads_s[key], grads_u[key], 1e-4), key
+
+
+def test_quantized_head_and_two_rows():
+    """A 4-bit model (quantized head) with one pair of one-token responses:
+    2 rows for the head's quantized matmul, the case flash-cce pads."""
+    model = _model("llama", quantized=True)
+    model.eval()
+    prompts, plens, responses, rlens = _batch(b_prompts=(5,), r_lens=(1, 1))
+    token_logps = preference.make_token_logps(model, backend="mlx")
+    assert token_logps.shared and token_logps.flash
+    got = token_logps(model, prompts, plens, responses)
+    want = shared_prompt.stock_logps(model, prompts, plens, responses)
+    assert got.shape == (2, 1)
+    assert near(got, want, 1e-4)
+
+
+def test_fallback_is_exact_where_the_prompt_cannot_be_shared(caplog):
+    model = _model("gemma2")
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        token_logps = preference.make_token_logps(model, backend="mlx")
+    assert not token_logps.shared
+    assert "cannot share the prompt" in caplog.text
+    batch = _batch()
+    got = preference.sequence_logps(token_logps(model, *batch[:3]), batch[3])
+    want = preference.sequence_logps(shared_prompt.stock_logps(model, *batch[:3]), batch[3])
+    assert near(got, want, 1e-5)
+
+
+# ------------------------------------------------------------------ losses
+
+
+def _log_sigmoid(x):
+    return -math.log1p(math.exp(-x))
+
+
+def test_orpo_against_its_formula():
+    chosen, rejected = [-0.4, -1.7, -2.5], [-0.9, -1.2, -3.0]  # mean per-token log-probs
+    nll, beta = 1.3, 0.25
+    loss, cr, rr = preference.orpo(mx.array(chosen), mx.array(rejected), mx.array(nll), beta)
+    terms = []
+    for c, r in zip(chosen, rejected, strict=True):
+        log_odds = (c - r) - (math.log(1 - math.exp(c)) - math.log(1 - math.exp(r)))
+        terms.append(_log_sigmoid(log_odds))
+    assert loss.item() == pytest.approx(nll - beta * sum(terms) / 3, rel=1e-5)
+    assert cr.tolist() == pytest.approx([beta * c for c in chosen], rel=1e-6)
+    assert rr.tolist() == pytest.approx([beta * r for r in rejected], rel=1e-6)
+    # near 0 (a response of probability ~1) the odds term stays finite
+    assert math.isfinite(preference.log1m_exp(mx.array(-1e-9)).item())
+
+
+def test_dpo_against_its_formula():
+    chosen, rejected = [-10.0, -22.5, -7.0], [-12.0, -20.0, -7.5]  # summed log-probs
+    ref_c, ref_r = [-11.0, -21.0, -7.2], [-11.5, -20.5, -7.1]
+    beta = 0.1
+    loss, cr, rr = preference.dpo(*(mx.array(x) for x in (chosen, rejected, ref_c, ref_r)), beta)
+    margins = [
+        (c - r) - (c0 - r0) for c, r, c0, r0 in zip(chosen, rejected, ref_c, ref_r, strict=True)
+    ]
+    assert loss.item() == pytest.approx(-sum(_log_sigmoid(beta * m) for m in margins) / 3)
+    want_cr = [beta * (c - c0) for c, c0 in zip(chosen, ref_c, strict=True)]
+    want_rr = [beta * (r - r0) for r, r0 in zip(rejected, ref_r, strict=True)]
+    assert cr.tolist() == pytest.approx(want_cr, rel=1e-5)
+    assert rr.tolist() == pytest.approx(want_rr, rel=1e-5)
+    m = preference.metrics(cr, rr, mx.array(chosen), mx.array(rejected)).tolist()
+    diffs = [a - b for a, b in zip(want_cr, want_rr, strict=True)]
+    assert m[0] == pytest.approx(sum(diffs) / 3, rel=1e-5)
+    assert m[1] == pytest.approx(sum(d > 0 for d in diffs) / 3)
+    assert m[2:] == pytest.approx([sum(chosen) / 3, sum(rejected) / 3])
+
+
+def test_dpo_reference_is_the_model_without_its_adapters():
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = _model("llama")
+    batch = _batch()
+    token_logps = preference.make_token_logps(model, backend="mlx")
+    base = preference.sequence_logps(token_logps(model, *batch[:3]), batch[3])
+    linear_to_lora_layers(model, 2, {"rank": 4, "dropout": 0.0, "scale": 10.0})
+    wrapped = [m for _, m in model.named_modules() if "lora_b" in m]
+    for m in wrapped:  # adapters that change the output
+        m.lora_b = mx.full(m.lora_b.shape, 0.05)
+    tuned = preference.sequence_logps(token_logps(model, *batch[:3]), batch[3])
+    assert not near(tuned, base, 1e-3)
+    with preference.adapters_off(model) as n:
+        off = preference.sequence_logps(token_logps(model, *batch[:3]), batch[3])
+    assert n == len(wrapped) > 0 and near(off, base, 1e-6)
+    again = preference.sequence_logps(token_logps(model, *batch[:3]), batch[3])
+    assert near(again, tuned, 1e-6)  # the adapters are back
+
+
+# -------------------------------------------------------------------- data
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer_dir):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return load_tokenizer(smollm2_tokenizer_dir)
+
+
+def _write(folder, name, rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_rows_strings_and_chat_messages(tokenizer, tmp_path):
+    chat = {
+        "prompt": [{"role": "user", "content": "Name a colour."}],
+        "chosen": [{"role": "assistant", "content": "Blue."}],
+        "rejected": "Seven.",
+    }
+    plain = {"prompt": "Name a colour:", "chosen": " Blue.", "rejected": " Seven."}
+    prompt, chosen, rejected = pairs.render(chat, tokenizer)
+    assert prompt == list(
+        tokenizer.apply_chat_template(chat["prompt"], add_generation_prompt=True, return_dict=False)
+    )
+    full = tokenizer.apply_chat_template(chat["prompt"] + chat["chosen"], return_dict=False)
+    assert prompt + chosen == list(full)
+    assert tokenizer.decode(rejected).startswith("Seven.")
+    prompt, chosen, rejected = pairs.render(plain, tokenizer)
+    assert prompt == tokenizer.encode("Name a colour:")
+    assert chosen[-1] == rejected[-1] == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"text": "hello"}, r"train.jsonl line 2: not a preference row.*\['text'\]"),
+        ({"prompt": "a", "chosen": "b"}, "train.jsonl line 2: not a preference row"),
+        ({"prompt": "a", "chosen": ["b"], "rejected": "c"}, "line 2: with a string prompt"),
+        ({"prompt": "a", "chosen": "", "rejected": "c"}, "line 2: 'chosen' is empty"),
+        ("{not json", "train.jsonl line 2: Expecting property name"),
+    ],
+)
+def test_bad_rows_name_file_and_line(tokenizer, tmp_path, row, message):
+    good = {"prompt": "p", "chosen": "c", "rejected": "r"}
+    _write(tmp_path, "train", [good, row])
+    with pytest.raises(PluginError, match=message):
+        pairs.load_split(tmp_path / "train.jsonl", tokenizer, 64)
+
+
+def test_long_rows_are_cut_or_dropped_and_said(tokenizer, tmp_path, caplog):
+    long = " ".join(["word"] * 40)
+    rows = [
+        {"prompt": "short", "chosen": long, "rejected": "no"},  # response cut
+        {"prompt": long, "chosen": "a", "rejected": "b"},  # prompt alone too long: dropped
+        {"prompt": "short", "chosen": "a", "rejected": "b"},
+    ]
+    _write(tmp_path, "train", rows)
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_flash_cce"):
+        data = pairs.load_split(tmp_path / "train.jsonl", tokenizer, 16)
+    assert len(data) == 2
+    assert "dropped 1 of 3 rows" in caplog.text and "cut the responses of 1 rows" in caplog.text
+    assert all(len(p.prompt) + max(len(p.chosen), len(p.rejected)) <= 16 for p in data.pairs)
+    assert data[0].prompt == tokenizer.encode("short")  # the prompt is never cut
+
+
+def test_batches_by_pairs(tokenizer, tmp_path):
+    rows = [{"prompt": "q" * (i + 1), "chosen": "yes", "rejected": "no no"} for i in range(5)]
+    _write(tmp_path, "train", rows)
+    data = pairs.load_split(tmp_path / "train.jsonl", tokenizer, 64)
+    data.pairs[0].ref = (-1.5, -2.5)
+    batches = list(pairs.iterate_batches(data, 2, 64, seed=0))
+    assert len(batches) == 2  # 5 pairs, batches of 2, the rest left out as mlx-lm does
+    for prompts, _, responses, rlens, refs in batches:
+        assert prompts.shape[0] == 2 and responses.shape[0] == 4 and refs.shape == (2, 2)
+        assert prompts.shape[1] % pairs.PAD_TO == 0 and responses.shape[1] % pairs.PAD_TO == 0
+        for i in range(2):
+            assert rlens[i].item() < rlens[2 + i].item()  # chosen rows, then rejected rows
+    with pytest.raises(ValueError, match="at least batch_size=8"):
+        next(pairs.iterate_batches(data, 8, 64))
