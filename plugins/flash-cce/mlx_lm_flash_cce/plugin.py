@@ -234,7 +234,13 @@ def _preference_loss(name, model, args, pref, cce):
             "test with the same command that trained (--train --test)"
         )
     return preference.make_loss(
-        model, name, beta=pref["beta"], sets=pref["sets"], batch_size=args.batch_size, **cce
+        model,
+        name,
+        beta=pref["beta"],
+        sets=pref["sets"],
+        batch_size=args.batch_size,
+        share_prompt=not getattr(args, "grad_checkpoint", False),
+        **cce,
     )
 
 

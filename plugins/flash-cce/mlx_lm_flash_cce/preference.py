@@ -88,7 +88,9 @@ def metrics(
     ).astype(mx.float32)
 
 
-def make_token_logps(model: Any, check: bool = True, **options: Any) -> Callable:
+def make_token_logps(
+    model: Any, check: bool = True, share_prompt: bool = True, **options: Any
+) -> Callable:
     """``token_logps(model, prompts, prompt_lens, responses) -> [2B, R]`` for this model.
 
     The prompt is shared and the head read without logits where the model
@@ -115,7 +117,13 @@ def make_token_logps(model: Any, check: bool = True, **options: Any) -> Callable
         stock.shared, stock.flash = False, False
         return stock
     vocab = model(mx.zeros((1, 1), mx.int32)).shape[-1]
-    shared, why = shared_prompt.check(model, arch, vocab)
+    if share_prompt:
+        shared, why = shared_prompt.check(model, arch, vocab)
+    else:  # mlx-lm's --grad-checkpoint: a checkpointed layer's keys carry no gradient out
+        shared, why = (
+            False,
+            "--grad-checkpoint recomputes each layer, so its keys cannot be handed on",
+        )
     if shared:
         log.info("flash-cce: %s model, prompt run once per pair (%s)", name, why)
     else:
@@ -201,18 +209,20 @@ def make_loss(
     sets: Sequence[Any] = (),
     batch_size: int = 4,
     check: bool = True,
+    share_prompt: bool = True,
     **options: Any,
 ) -> Callable[..., Tuple[mx.array, mx.array, mx.array]]:
     """``loss(model, prompts, prompt_lens, responses, response_lens, refs)
     -> (loss, ntokens, metrics)`` for ``name`` in ``LOSSES``.
 
     ``ntokens`` counts each prompt once plus both responses. DPO first fills
-    the reference log-probs of every pair in ``sets``.
+    the reference log-probs of every pair in ``sets``. ``share_prompt=False``
+    (mlx-lm's ``--grad-checkpoint``) runs each pair as two full sequences.
     """
     if name not in LOSSES:
         raise ValueError(f"unknown preference loss {name!r} (have: {', '.join(LOSSES)})")
     options = {k: v for k, v in options.items() if k != "verbose"}
-    token_logps = make_token_logps(model, check=check, **options)
+    token_logps = make_token_logps(model, check=check, share_prompt=share_prompt, **options)
     if name == "dpo":
         reference(model, token_logps, sets, batch_size)
 

@@ -180,6 +180,33 @@ def test_fallback_is_exact_where_the_prompt_cannot_be_shared(caplog):
     assert near(got, want, 1e-5)
 
 
+def test_grad_checkpoint_runs_unshared_with_exact_gradients():
+    """mlx-lm's --grad-checkpoint recomputes each layer: the prompt's keys would
+    reach the responses without their gradient, so pairs run unshared."""
+    from mlx_lm.tuner import trainer
+
+    model = _model("qwen3")
+    batch = _batch() + (mx.zeros((2, 2)),)
+    model.train()
+
+    def grads(loss):
+        f = lambda m, *b: loss(m, *b)[0]  # noqa: E731
+        return dict(tree_flatten(nn.value_and_grad(model, f)(model, *batch)[1]))
+
+    want = grads(preference.make_loss(model, "orpo", backend="mlx"))
+    loss = preference.make_loss(model, "orpo", backend="mlx", share_prompt=False)
+    assert not loss.shared
+    cls = type(model.layers[0])
+    original = cls.__call__
+    try:
+        trainer.grad_checkpoint(model.layers[0])  # patches the class, as mlx-lm does
+        got = grads(loss)
+    finally:
+        cls.__call__ = original
+    for key in want:
+        assert near(got[key], want[key], 1e-4), key
+
+
 # ------------------------------------------------------------------ losses
 
 
