@@ -45,7 +45,7 @@ from .ragged import ragged, rollback
 log = logging.getLogger("mlx_lm_spec_decode")
 
 MISS_RUN = 4  # proposal-less rounds in a row before plain steps come in doubling runs
-COST_RUN = 4  # plain steps after the cost model said drafting does not pay
+COST_RUN = 8  # plain steps after the cost model said drafting does not pay
 
 
 class Row:

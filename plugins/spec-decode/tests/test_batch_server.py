@@ -17,7 +17,7 @@ CODE = (
 )
 REQUESTS = [  # prompt, max_tokens, stop words
     ("Repeat this code exactly, renaming width to w:\n" + CODE, 48, None),
-    # mlx-lm 0.32's server drops stop words from the text as its state machine sees them.
+    # A stop word: whatever mlx-lm's server does with it, ours must do the same.
     ("Quote this sentence twice: the quick brown fox jumps over the lazy dog.", 32, ["fox"]),
     ("Say hi.", 12, None),
     ("Copy the list: " + ", ".join(str(i) for i in range(30)), 40, None),

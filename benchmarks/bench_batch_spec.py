@@ -1,0 +1,224 @@
+"""Speculative decoding in the batched server against the stock batched server.
+
+    source scripts/env.sh
+    python benchmarks/bench_batch_spec.py                      # CPU, float32
+    python benchmarks/bench_batch_spec.py --device gpu --dtype bfloat16
+
+Two ``mlx_lm.server`` processes on the same model, started by this script
+and kept up side by side: mlx-lm's own (no plugin: continuous batching) and
+``--plugin spec-decode`` (n-gram drafter, batched). For each prompt kind
+(grounded: code edits and quoting, the answer copies its input; open: chat)
+and each concurrency C, C different requests are sent at once to one
+server, then to the other, ``--repeats`` times, interleaved; the best run of
+each is kept. Columns: aggregate tok/s (completion tokens over the wall time
+from the first request sent to the last answer), mean per-request latency,
+the ratio of ours to stock, the acceptance of drafted tokens, and ``same``
+(every greedy text identical to stock's).
+
+``--dtype`` casts the float32 SmolLM2 folder's weights into a folder of its
+own; ``--device`` is MLX's default device inside both servers.
+"""
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_spec_decode import passage, stdlib_function  # noqa: E402
+
+from mlx_lm_ext import models  # noqa: E402
+
+SERVE = (
+    "import sys, mlx.core as mx; mx.set_default_device(getattr(mx, sys.argv.pop(1))); "
+    "from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()"
+)
+
+
+def grounded():
+    fns = [
+        ("textwrap", "indent"),
+        ("bisect", "insort_right"),
+        ("textwrap", "dedent"),
+        ("bisect", "bisect_left"),
+        ("shlex", "quote"),
+        ("fnmatch", "translate"),
+    ]
+    out = [
+        f"Here is a function from Python's standard library:\n\n{stdlib_function(m, f)}\n"
+        "Rewrite this function with every local variable renamed to a longer, clearer "
+        "name. Output the complete code only."
+        for m, f in fns
+    ]
+    out.append(
+        "Read this passage:\n\n"
+        + passage()
+        + "\n\nWho created Python, and where? Answer with exact quotes from the passage."
+    )
+    out.append(
+        "Read this passage:\n\n"
+        + passage()
+        + "\n\nQuote the passage's first two sentences exactly, then summarise it."
+    )
+    return out
+
+
+OPEN = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain to a child why the sky is blue and why sunsets are red.",
+    "Give me three ideas for a weekend trip in the mountains, with reasons.",
+    "What makes a good cup of tea? Answer in a friendly tone.",
+    "Describe a busy market in the morning, in a few sentences.",
+    "Why do cats purr? Explain briefly.",
+    "Write a limerick about a forgetful robot.",
+    "Suggest a name for a bakery and explain the choice.",
+]
+
+
+def cast_folder(src: Path, dtype: str) -> Path:
+    """A copy of ``src`` with its floating-point weights in ``dtype``."""
+    import mlx.core as mx
+
+    dst = Path(tempfile.mkdtemp(prefix=f"smollm2-{dtype}-"))
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            w = mx.load(str(f))
+            cast = {
+                k: v.astype(getattr(mx, dtype)) if mx.issubdtype(v.dtype, mx.floating) else v
+                for k, v in w.items()
+            }
+            mx.save_safetensors(str(dst / f.name), cast, metadata={"format": "mlx"})
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(model, device, *flags):
+    port = free_port()
+    cmd = [sys.executable, "-c", SERVE, device, "--model", str(model)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), *flags]
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            return port, proc
+        except Exception:
+            if proc.poll() is not None:
+                log.seek(0)
+                sys.exit(f"server failed:\n{log.read()[-3000:]}")
+            time.sleep(0.5)
+    sys.exit("server did not start")
+
+
+def ask(port, prompt, max_tokens):
+    body = json.dumps(
+        {
+            "model": "default_model",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    r = json.loads(urllib.request.urlopen(req, timeout=1800).read())
+    return r, time.perf_counter() - t0
+
+
+def burst(port, prompts, max_tokens):
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        res = list(ex.map(lambda p: ask(port, p, max_tokens), prompts))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["usage"]["completion_tokens"] for r, _ in res)
+    spec = [r["usage"].get("speculative_decoding") for r, _ in res]
+    drafted = sum(s["drafted"] for s in spec if s)
+    accepted = sum(s["accepted"] for s in spec if s)
+    return {
+        "tps": tokens / wall,
+        "latency": sum(t for _, t in res) / len(res),
+        "texts": [r["choices"][0]["message"]["content"] for r, _ in res],
+        "accept": accepted / drafted if drafted else 0.0,
+        "drafted": drafted,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kinds", default="grounded,open")
+    args = ap.parse_args()
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+        assert levels and min(levels) >= 1
+    except (ValueError, AssertionError):
+        ap.error(f"--concurrency: comma-separated positive integers, got {args.concurrency!r}")
+    kinds = args.kinds.split(",")
+    if not set(kinds) <= {"grounded", "open"}:
+        ap.error(f"--kinds: grounded and/or open, got {args.kinds!r}")
+
+    model = models.build("smollm2-135m-f32")
+    if args.dtype != "float32":
+        model = cast_folder(model, args.dtype)
+    env_note = os.environ.get("LD_PRELOAD", "") and " (LD_PRELOAD set)"
+    print(f"# SmolLM2-135M {args.dtype} on {args.device}{env_note}, {args.max_tokens} tokens")
+    stock = start(model, args.device)
+    ours = start(model, args.device, "--plugin", "spec-decode")
+    rows = []
+    try:
+        for port, _ in (stock, ours):  # warm up both (first-call compiles, caches)
+            burst(port, OPEN[:2], 8)
+        for kind in kinds:
+            pool = grounded() if kind == "grounded" else OPEN
+            for c in levels:
+                prompts = [pool[i % len(pool)] for i in range(c)]
+                best = {}
+                for _ in range(args.repeats):
+                    for name, (port, _) in (("stock", stock), ("ours", ours)):
+                        r = burst(port, prompts, args.max_tokens)
+                        if name not in best or r["tps"] > best[name]["tps"]:
+                            best[name] = r
+                s, o = best["stock"], best["ours"]
+                row = (
+                    f"| {kind} | {c} | {s['tps']:.2f} | {o['tps']:.2f} | "
+                    f"{o['tps'] / s['tps']:.2f}x | {s['latency']:.2f} | {o['latency']:.2f} | "
+                    f"{100 * o['accept']:.0f}% | {'yes' if s['texts'] == o['texts'] else 'no'} |"
+                )
+                print(row, flush=True)
+                rows.append(row)
+    finally:
+        for _, proc in (stock, ours):
+            proc.terminate()
+            proc.wait(timeout=60)
+    print()
+    print(
+        "| prompts | concurrency | stock tok/s | ours tok/s | ratio | "
+        "stock latency s | ours latency s | accept | same |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
