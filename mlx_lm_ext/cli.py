@@ -1,4 +1,4 @@
-"""The ``mlx-lm-ext`` command: plugins, doctor, model, and plugin subcommands.
+"""The ``mlx-lm-ext`` command: plugins, doctor, model, status, and plugin subcommands.
 
 ``mlx-lm-ext generate|server|lora|... ARGS`` (and ``python -m mlx_lm_ext``)
 also runs mlx-lm's own command with the plugins wired in, for interpreters
@@ -177,6 +177,45 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------- status
+
+
+def status_url(url: str) -> str:
+    """``http://host:port[/status[.json]]`` -> the server's ``/status.json``."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        plugins.fail(f"not a server URL: {url!r} (example: http://127.0.0.1:8080)")
+    path = parts.path.rstrip("/")
+    for tail in ("/status.json", "/status", "/metrics"):
+        if path.endswith(tail):
+            path = path[: -len(tail)]
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path + "/status.json", "", ""))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from . import status_page
+
+    url = status_url(args.url)
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as r:
+            doc = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        why = "its status routes are off (--no-status)" if e.code == 404 else f"HTTP {e.code}"
+        print(f"mlx-lm-ext: error: {url}: {why}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"mlx-lm-ext: error: {url}: {e}", file=sys.stderr)
+        return 1
+    print(status_page.text(doc), end="")
+    return 0
+
+
 # ------------------------------------------------------------------- main
 
 
@@ -197,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the models that can be built")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_model)
+    p = sub.add_parser("status", help="a running server's figures (its /status.json)")
+    p.add_argument("url", help="the server, e.g. http://127.0.0.1:8080")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (default 10)")
+    p.set_defaults(func=cmd_status)
     for name in sorted(plugins.installed()):
         try:
             plugins.call(plugins.load(name), "add_subcommands", subparsers=sub)

@@ -69,6 +69,13 @@ def extend_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Arg
     parser.add_argument(
         "--plugin", action="append", default=None, metavar="NAME", help=_plugin_help()
     )
+    if command == "server":
+        parser.add_argument(
+            "--no-status",
+            action="store_true",
+            help="With a --plugin: leave out the /metrics, /status and /status.json "
+            "routes and the request figures behind them.",
+        )
     if command == "lora":
         parser.add_argument(
             "--loss",
@@ -266,6 +273,11 @@ def on_activate(command: str) -> None:
             serving.install_batching()
         if plugins.active_implements("usage_fields") or plugins.active_implements("report_lines"):
             serving.install_requests()
+    args = STATE.args.get("server")
+    if command == "server" and STATE.active and not getattr(args, "no_status", False):
+        from . import monitoring  # imports prometheus_client: only for a server with plugins
+
+        monitoring.install(args)
 
 
 def on_deactivate() -> None:

@@ -263,6 +263,21 @@ def collect(hookname: str, **kwargs: Any) -> List[Any]:
     return out
 
 
+def each(hookname: str, **kwargs: Any) -> Dict[str, Any]:
+    """``{plugin name: result}`` of ``hookname`` for each active plugin implementing it.
+
+    An exception a plugin raises is its result, for a caller that reports
+    per plugin what failed (the status page) rather than only logging it.
+    """
+    out: Dict[str, Any] = {}
+    for name, call in _active_calls(hookname, kwargs):
+        try:
+            out[name] = call()
+        except Exception as e:
+            out[name] = e
+    return out
+
+
 def active_implements(hookname: str) -> bool:
     """Whether an active plugin implements ``hookname``."""
     return implements(hookname, list(STATE.active))

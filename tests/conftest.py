@@ -55,6 +55,7 @@ PLUGIN_SRC = textwrap.dedent(
         if mode == "crash":
             raise RuntimeError("simulated crash in activate")
         record("activate", command, mode)
+        MODE["mode"] = mode
 
 
     @hookimpl
@@ -116,6 +117,26 @@ PLUGIN_SRC = textwrap.dedent(
     @hookimpl
     def doctor():
         return [("probe", "ok")]
+
+
+    FINISHED = []
+    MODE = {}
+
+
+    @hookimpl
+    def request_finished(info):
+        FINISHED.append(sorted(info))
+
+
+    @hookimpl
+    def metrics():
+        if MODE.get("mode") == "metrics-crash":
+            raise RuntimeError("simulated metrics failure")
+        if MODE.get("mode") == "metrics-bad":
+            return ["not a metric family"]
+        from mlx_lm_ext.metrics import counter
+
+        return [counter("mlx_lm_testplugin_finished", "Requests seen", {(): len(FINISHED)})]
     '''
 )
 
@@ -127,6 +148,13 @@ SERVER_ONLY_SRC = textwrap.dedent(
     @hookimpl
     def commands():
         return ["server"]
+
+
+    @hookimpl
+    def metrics():
+        from mlx_lm_ext.metrics import gauge
+
+        return [gauge("mlx_lm_serveronly_up", "Server-only plugin is up", {(): 1})]
     """
 )
 

@@ -27,10 +27,7 @@ COUNTERS = (
     ("fallback", "fallbacks", "Requests decoded plainly (the cache could not be rolled back)"),
 )
 
-CHARTS = [
-    ("Draft acceptance rate (spec-decode)", P + "accepted_total", P + "drafted_total"),
-    ("Tokens per target forward (spec-decode)", P + "emitted_total", P + "target_forwards_total"),
-]
+CHARTS = [("Draft acceptance rate (spec-decode)", P + "accepted_total", P + "drafted_total")]
 
 _lock = threading.Lock()
 _totals: Dict[str, Dict[str, int]] = defaultdict(lambda: defaultdict(int))

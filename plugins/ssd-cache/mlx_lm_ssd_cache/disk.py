@@ -13,6 +13,7 @@ entry back to a prompt cache), ``writer`` (the thread and the file writes),
 ``eviction`` (the byte cap, superseded prefixes).
 """
 
+import bisect
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -23,7 +24,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from . import fileformat, identity, restore, scan, writer
 from .index import Entry
-from .store import HOST, Space, Store, entry_name, log, on_disk
+from .store import HOST, RESTORE_BUCKETS, Space, Store, entry_name, log, on_disk
 from .writer import WRITE_RATE, flush_all
 
 # Names the plugin, tests and benchmarks import from here.
@@ -152,6 +153,9 @@ class DiskTier:
             c["restored_tokens"] += match.length
             c["restore_s"] += dt
             c["last_restore_s"] = dt
+            slot = bisect.bisect_left(RESTORE_BUCKETS, dt)
+            if slot < len(RESTORE_BUCKETS):
+                c["restore_buckets"][slot] += 1
             match.entry.recency = time.time()
         if on_disk(match.entry):
             self._writer.submit(writer.touch, self.store, space, match.entry)
@@ -269,6 +273,7 @@ class DiskTier:
         with self.store.lock:
             stored = [e for _, e in self.store.stored()]
             out = dict(self.counters)
+            out["restore_buckets"] = list(out["restore_buckets"])
             out["entries"] = len(stored)
             out["bytes"] = sum(e.nbytes for e in stored)
             out["pending"] = sum(s.pending for s in self.store.live_spaces())

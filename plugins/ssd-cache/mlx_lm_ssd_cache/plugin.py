@@ -222,3 +222,18 @@ def report_lines(command: str, source: Any) -> Optional[List[str]]:
         f"{s['restored_tokens']} tokens restored in {s['restore_s']:.2f} s "
         f"(avg {avg:.3f} s), {s['pending']} writes pending"
     ]
+
+
+@hookimpl
+def metrics(prompt_cache: Any) -> Optional[List[Any]]:
+    """The disk tier's series for the server's /metrics and /status."""
+    from . import metrics as series
+
+    return series.families(prompt_cache)
+
+
+@hookimpl
+def status_charts() -> List[Tuple[str, str, str]]:
+    from . import metrics as series
+
+    return series.CHARTS

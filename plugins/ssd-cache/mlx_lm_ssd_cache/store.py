@@ -62,8 +62,13 @@ def error_kind(e: OSError) -> str:
     }.get(e.errno, f"I/O error ({errno.errorcode.get(e.errno, e.errno)})")
 
 
+# Upper bounds (seconds) of the restore-time histogram ``metrics`` reports.
+RESTORE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 def new_counters() -> dict:
     return {
+        "restore_buckets": [0] * len(RESTORE_BUCKETS),  # restores per bucket (not cumulative)
         "lookups": 0,
         "hits": 0,
         "restored_tokens": 0,

@@ -1,0 +1,194 @@
+"""What the host installs in ``mlx_lm.server`` for ``/metrics`` and ``/status`` (owners ``server.*``).
+
+* ``server.routes``: ``APIHandler.do_GET`` answers ``/metrics``,
+  ``/status`` and ``/status.json`` and hands every other path to mlx-lm's
+  own (``/health``, ``/v1/models`` untouched). The routes are on the
+  server's own socket, so they bind where the server binds.
+* ``server.metrics``: ``APIHandler.do_POST`` (a request's start and end,
+  in flight), ``_set_completion_headers`` / ``_set_stream_headers`` (its
+  HTTP status) and ``ResponseGenerator._await_response`` (the handler
+  thread taking the context and each token off the request's queue: time to
+  first token, inter-token latency, tokens) measure each request from the
+  handler's side, whichever generation path served it. At its end the
+  plugins' ``request_finished`` gets the request's info dict.
+
+A sampler thread records the counters every few seconds for the page's
+trends. ``integration.on_activate`` installs all of it on the server when a
+plugin is active, unless ``--no-status``.
+"""
+
+import functools
+import json
+import logging
+import sys
+import threading
+import time
+import urllib.parse
+from typing import Any, Dict, List, Optional
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from . import metrics, patching, plugins, status_page
+
+log = logging.getLogger("mlx_lm_ext")
+
+ROUTES = ("/metrics", "/status", "/status.json")
+
+_local = threading.local()  # the request this handler thread is serving
+_history = status_page.History()
+_info: Dict[str, Any] = {}
+_sampler: Optional[threading.Thread] = None
+
+
+def install(args: Any) -> None:
+    """Install the routes and the request measurement (once)."""
+    mod = sys.modules["mlx_lm.server"]
+    handler, rg = mod.APIHandler, mod.ResponseGenerator
+    _info.update(server_info(args))
+    metrics.series()
+    patching.wrap("server.metrics", handler, "do_POST", _make_post)
+    patching.wrap("server.metrics", handler, "_set_completion_headers", _make_status)
+    patching.wrap("server.metrics", handler, "_set_stream_headers", _make_status)
+    patching.wrap("server.metrics", rg, "_await_response", _make_await)
+    patching.wrap("server.routes", handler, "do_GET", _make_get)
+    _start_sampler()
+
+
+def server_info(args: Any) -> Dict[str, Any]:
+    """The model and each active plugin with its own flags' values."""
+    names = list(plugins.STATE.active)
+    rows = []
+    for name in names:
+        try:
+            own = vars(plugins.defaults(name, "server"))
+        except Exception:
+            own = {}
+        opts = ", ".join(f"{k}={_plain(getattr(args, k, v))}" for k, v in sorted(own.items()))
+        dist, version = plugins.distribution(name)
+        rows.append({"name": name, "version": version, "options": opts})
+    return {"model": str(getattr(args, "model", None) or "-"), "names": names, "plugins": rows}
+
+
+def _plain(v):
+    return v if isinstance(v, (int, float, bool, type(None))) else str(v)
+
+
+def charts() -> List[tuple]:
+    specs = [(t, n, d, "") for t, n, d in status_page.HOST_CHARTS]
+    for name, result in plugins.each("status_charts").items():
+        if isinstance(result, Exception) or not result:
+            continue
+        try:
+            specs += [(str(t), str(n), str(d or ""), name) for t, n, d in result]
+        except (TypeError, ValueError) as e:
+            log.warning("plugin '%s' returned bad status charts: %s", name, e)
+    return specs
+
+
+def summary() -> Dict[str, Any]:
+    return status_page.summary(_info, metrics.series().prompt_cache, _history, charts())
+
+
+# ------------------------------------------------------------ the patches
+
+
+def _make_post(original):
+    @functools.wraps(original)
+    def do_POST(self):
+        req = metrics.request_started()
+        _local.req = req
+        s = metrics.series()
+        if s.prompt_cache is None:
+            s.prompt_cache = self.response_generator.prompt_cache
+        try:
+            original(self)
+        except Exception:
+            req.status = req.status or 500
+            raise
+        finally:
+            _local.req = None
+            info = metrics.request_ended(req)
+            plugins.collect("request_finished", info=info)
+
+    return do_POST
+
+
+def _make_status(original):
+    @functools.wraps(original)
+    def set_headers(self, status_code: int = 200):
+        req = getattr(_local, "req", None)
+        if req is not None:
+            req.status = status_code
+        return original(self, status_code)
+
+    return set_headers
+
+
+def _make_await(original):
+    @functools.wraps(original)
+    def _await_response(self, response_queue):
+        item = original(self, response_queue)
+        req = getattr(_local, "req", None)
+        if req is not None:
+            metrics.on_item(req, item)
+        return item
+
+    return _await_response
+
+
+def _make_get(original):
+    @functools.wraps(original)
+    def do_GET(self):
+        path = urllib.parse.urlsplit(self.path).path
+        if path not in ROUTES:
+            return original(self)
+        s = metrics.series()
+        if s.prompt_cache is None:
+            s.prompt_cache = self.response_generator.prompt_cache
+        try:
+            if path == "/metrics":
+                body, kind = metrics.exposition(s.prompt_cache), CONTENT_TYPE_LATEST
+            elif path == "/status":
+                body, kind = status_page.page(summary()).encode(), "text/html; charset=utf-8"
+            else:
+                body, kind = json.dumps(summary()).encode(), "application/json"
+            status = 200
+        except Exception as e:  # a bug here costs this page, never the server
+            log.exception("status route %s failed", path)
+            body, kind, status = json.dumps({"error": str(e)}).encode(), "application/json", 500
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self._set_cors_headers()
+        self.end_headers()
+        self.wfile.write(body)
+
+    return do_GET
+
+
+# ---------------------------------------------------------------- sampler
+
+
+def sample() -> None:
+    """Record the counters the trends need (one history point)."""
+    s = metrics.series()
+    host, fams, _ = status_page.collect(s.prompt_cache)
+    _history.add(time.time(), status_page.sample_values(host, fams))
+
+
+def _start_sampler() -> None:
+    global _sampler
+    if _sampler is not None:
+        return
+
+    def loop():
+        while True:
+            try:
+                sample()
+            except Exception as e:  # never let the sampler take anything down
+                log.debug("status sampler: %s", e)
+            time.sleep(status_page.SAMPLE_S)
+
+    _sampler = threading.Thread(target=loop, name="mlx_lm_ext-status", daemon=True)
+    _sampler.start()

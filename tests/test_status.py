@@ -1,0 +1,273 @@
+"""``/metrics``, ``/status``, ``/status.json`` and ``mlx-lm-ext status`` on a real server.
+
+A real ``mlx_lm.server`` on the offline SmolLM2 (float32) with two test
+plugins: ``serveronly`` reports a series; ``testplugin`` in mode
+``metrics-crash`` raises in its ``metrics`` hook, which must cost only its
+own series. The page is loaded in headless Chromium (Debian's ``chromium``,
+driven by Playwright) where ``/usr/bin/chromium`` exists.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, log_path, plugin_dir, extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(plugin_dir), env.get("PYTHONPATH", "")])
+        cmd = [
+            str(Path(sys.executable).with_name("mlx_lm.server")),
+            *("--model", str(model), "--host", "127.0.0.1", "--port", str(self.port)),
+            *extra,
+        ]
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log_path.read_text()}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(self.log_path.read_text())
+
+    def get(self, path):
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def post(self, body, path="/v1/chat/completions", raw=None):
+        data = raw if raw is not None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def chat(self, content, max_tokens=12, stream=False):
+        body = {
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": stream,
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        status, text = self.post(body)
+        assert status == 200, text
+        if not stream:
+            return json.loads(text)["usage"]
+        chunks = [json.loads(x[6:]) for x in text.split("\n\n") if x.startswith("data: {")]
+        return chunks[-1]["usage"]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_f32_path, plugin_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("status") / "server.log"
+    s = Server(
+        smollm2_f32_path,
+        log,
+        plugin_dir,
+        ["--plugin", "serveronly", "--plugin", "testplugin", "--testplugin-mode", "metrics-crash"],
+    )
+    yield s
+    s.stop()
+
+
+def scrape(server):
+    status, text = server.get("/metrics")
+    assert status == 200
+    out = {}
+    for fam in text_string_to_metric_families(text):  # Prometheus' own parser
+        for s in fam.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            out[key] = s.value
+    return out
+
+
+def value(samples, name, **labels):
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_parse_and_move_as_requests_are_served(server):
+    before = scrape(server)
+    u1 = server.chat("Name three colours.", max_tokens=10)
+    u2 = server.chat("Name three fruits.", max_tokens=8, stream=True)
+    assert server.post(None, raw=b"{not json")[0] == 400
+    after = scrape(server)
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("mlx_lm_requests_total", status="200") == 2
+    assert moved("mlx_lm_requests_total", status="400") == 1
+    assert value(after, "mlx_lm_requests_in_flight") == 0
+    assert moved("mlx_lm_prompt_tokens_total") == u1["prompt_tokens"] + u2["prompt_tokens"]
+    generated = u1["completion_tokens"] + u2["completion_tokens"]
+    assert moved("mlx_lm_generated_tokens_total") == generated
+    assert moved("mlx_lm_time_to_first_token_seconds_count") == 2
+    assert moved("mlx_lm_inter_token_latency_seconds_count") == generated - 2
+    assert moved("mlx_lm_time_to_first_token_seconds_sum") > 0
+    assert moved("mlx_lm_prompt_cache_lookups_total") == 2
+    assert sum(v for (n, _), v in after.items() if n == "mlx_lm_prompt_cache_entries") >= 1
+    # the plugins' series: the working one is there, the raising one's is not
+    assert value(after, "mlx_lm_serveronly_up") == 1
+    assert not any(n.startswith("mlx_lm_testplugin") for n, _ in after)
+
+
+def test_a_raising_metrics_hook_costs_only_its_own_series(server):
+    status, body = server.get("/status.json")
+    assert status == 200
+    doc = json.loads(body)
+    assert "simulated metrics failure" in doc["errors"]["testplugin"]
+    titles = [t["title"] for t in doc["tables"]]
+    assert {"Requests", "Latency", "Prompt cache (memory)", "Plugin serveronly"} <= set(titles)
+    rows = {r[2]: r[1] for t in doc["tables"] for r in t["rows"]}
+    assert "simulated metrics failure" in rows["testplugin.error"]
+    assert server.get("/status")[0] == 200
+    assert server.get("/health")[0] == 200  # mlx-lm's own routes are untouched
+    assert server.get("/v1/models")[0] == 200
+    assert server.chat("Say hi.", max_tokens=3)["completion_tokens"] >= 1
+
+
+def test_cli_status_prints_the_summary(server):
+    doc = json.loads(server.get("/status.json")[1])
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("mlx-lm-ext")), "status", server.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    generated = next(r for t in doc["tables"] for r in t["rows"] if r[2] == "generated_tokens")
+    assert any(
+        line.split() == ["generated", "tokens", generated[1]] for line in out.stdout.splitlines()
+    )
+    assert "Plugin serveronly" in out.stdout and "simulated metrics failure" in out.stdout
+    bad = subprocess.run(
+        [str(Path(sys.executable).with_name("mlx-lm-ext")), "status", "ftp://nowhere"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "not a server URL" in bad.stderr
+
+
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason="needs Debian's chromium at /usr/bin/chromium (scripts/setup.sh installs it as root)",
+)
+def test_status_page_in_chromium_shows_the_api_figures(server, tmp_path, monkeypatch):
+    from playwright.sync_api import sync_playwright
+
+    # OpenBLAS preloaded into Playwright's node driver stops it creating threads.
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    server.chat("Write one word.", max_tokens=4)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 390, "height": 844})  # a phone
+            fetched = []
+            page.on("request", lambda r: fetched.append(r.url))
+            page.goto(server.url + "/status")
+            page.wait_for_selector("[data-table='Requests']")
+            # it refreshes itself: a request served now shows up without a reload
+            server.chat("Write two words.", max_tokens=4)
+            doc = json.loads(server.get("/status.json")[1])
+            want = next(
+                r[1] for t in doc["tables"] for r in t["rows"] if r[2] == "generated_tokens"
+            )
+            page.wait_for_function(
+                "w => document.querySelector(\"tr[data-key='generated_tokens'] td.v\")"
+                ".textContent === w",
+                arg=want,
+                timeout=20000,
+            )
+            doc = json.loads(server.get("/status.json")[1])
+            page.wait_for_function(
+                "t => Number(document.body.dataset.updated) >= t", arg=doc["time"], timeout=20000
+            )
+            page.screenshot(path=str(tmp_path / "status-phone.png"), full_page=True)
+            page.set_viewport_size({"width": 1280, "height": 900})
+            page.screenshot(path=str(tmp_path / "status.png"), full_page=True)
+            shown = page.eval_on_selector_all(
+                "tr[data-key]",
+                "rows => rows.map(r => [r.dataset.key, r.querySelector('td.v').textContent])",
+            )
+            charts = page.eval_on_selector_all("[data-chart]", "cs => cs.map(c => c.dataset.chart)")
+        finally:
+            browser.close()
+    shown = dict(shown)
+    for table in doc["tables"]:
+        for label, text, key in table["rows"]:
+            if key != "uptime":
+                assert shown[key] == text, (table["title"], label)
+    assert shown["generated_tokens"] == str(int(doc["figures"]["generated_tokens"]))
+    assert "Generated tokens per second" in charts and "Prompt cache hit rate" in charts
+    assert (tmp_path / "status.png").stat().st_size > 10_000
+    # self-contained: nothing but the page and its own JSON
+    paths = {urllib.parse.urlsplit(u).path for u in fetched}
+    assert all(u.startswith(server.url) for u in fetched) and paths <= {"/status", "/status.json"}
+
+
+def test_no_status_turns_the_routes_off(smollm2_f32_path, plugin_dir, tmp_path):
+    s = Server(
+        smollm2_f32_path,
+        tmp_path / "server.log",
+        plugin_dir,
+        ["--plugin", "serveronly", "--no-status"],
+    )
+    try:
+        for path in ("/metrics", "/status", "/status.json"):
+            assert s.get(path)[0] == 404, path
+        assert s.get("/health")[0] == 200
+        assert s.chat("Say hi.", max_tokens=2)["completion_tokens"] >= 1
+    finally:
+        s.stop()
