@@ -13,6 +13,13 @@ if [ "$(uname -s)" = Linux ] && [ ! -e "$OPENBLAS" ] && [ "$(id -u)" = 0 ] && co
     || echo "setup: could not install libopenblas0-pthread; float32 on CPU will be slow" >&2
 fi
 
+if [ "$(uname -s)" = Linux ] && [ ! -e /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  # Headless Chromium for the status-page test (driven by Playwright, whose own
+  # browser download is never used).
+  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+    || echo "setup: could not install chromium; the status-page browser test will be skipped" >&2
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip 2>/dev/null || true
