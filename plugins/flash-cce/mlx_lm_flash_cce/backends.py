@@ -22,7 +22,7 @@ from . import cuda, cuda_gemm, heads, portable
 # that the device is not launch-bound (measured on the H200,
 # benchmarks/results/flash-cce-h200.md).
 GPU_TOKEN_CHUNK = 8192
-GPU_VOCAB_CHUNK = 16384
+GPU_VOCAB_CHUNK = 32768
 BIG_BLOCK = 1 << 22  # token_chunk x vocab_chunk from which a GPU takes the one-pass big-block path
 
 _REGISTRY = {}
@@ -85,7 +85,7 @@ def mlx_per_token(
     On the CPU: ``portable`` (small blocks; the CPU allocates only a few
     operations ahead). On a GPU: one pass in big blocks through
     ``cuda_gemm``'s structure with its compiled MLX step (no custom
-    kernel), so that the device is not launch-bound: 8192 x 16384 blocks
+    kernel), so that the device is not launch-bound: 8192 x 32768 blocks
     unless the caller sets ``vocab_chunk``. Heads with a bias or LoRA and
     the gradient filters stay on ``portable`` everywhere.
     """

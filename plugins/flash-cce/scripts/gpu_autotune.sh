@@ -3,7 +3,8 @@
 # benchmark (each path and auto's choice, ratios against stock in the same
 # run), the whole LoRA step on a ~1B random-weight llama, the CUDA tests.
 # Usage (repo root): SITE=DIR OUT=DIR [WHEELS="DIR ..."] [CACHE=DIR] \
-#   bash plugins/flash-cce/scripts/gpu_autotune.sh [auto] [step] [tests]
+#   bash plugins/flash-cce/scripts/gpu_autotune.sh [auto] [step] [trial] [tests]
+# AUTO_KINDS (bf16 q4) and AUTO_SHAPES (NxVxH ...) narrow the table.
 set -u
 source "$(dirname "$0")/stage.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -12,9 +13,14 @@ B=benchmarks/bench_flash_cce.py
 for step in ${*:-auto step tests}; do
   echo "=== $step $(date +%T)"
   case $step in
-    auto) timeout ${AUTO_TIMEOUT:-330} python3 $B --auto-table --repeats 3 --auto-budgets ${AUTO_BUDGETS:-default 2G} \
-            --auto-paths "mlx 8192x16384 +1024" "mlx 2048x8192 +128" "cuda-gemm 8192x16384 +1024" \
-            "cuda-gemm 2048x8192 +128" "cuda fused" --json "$OUT/auto.json" 2>&1 | tee "$OUT/auto.log" ;;
+    auto) timeout ${AUTO_TIMEOUT:-330} python3 $B --auto-table --compiled --repeats 3 --auto-budgets ${AUTO_BUDGETS:-default 2G} \
+            --kinds ${AUTO_KINDS:-bf16 q4} ${AUTO_SHAPES:+--shapes $AUTO_SHAPES} \
+            --auto-paths "mlx 8192x32768 +1024" "mlx 8192x16384 +1024" "mlx 2048x8192 +128" \
+            "cuda-gemm 8192x32768 +1024" "cuda-gemm 2048x8192 +128" "cuda fused" \
+            --json "$OUT/auto${AUTO_TAG:-}.json" 2>&1 | tee "$OUT/auto${AUTO_TAG:-}.log" ;;
+    trial) for i in 1 2; do  # a fresh process each: the first also compiles MLX's kernels
+             timeout ${TRIAL_TIMEOUT:-120} python3 plugins/flash-cce/scripts/trial_cost.py --shape 8192x151936x2048 \
+               2>&1 | tee -a "$OUT/trial.log"; done ;;
     step) timeout ${STEP_TIMEOUT:-240} python3 $B --step --step-model random-llama-1b --step-batch 4 --step-seq 2048 \
             --step-layers 16 --step-repeats 3 --step-losses ${STEP_LOSSES:-default flash-cce flash-cce@2G} \
             --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log" ;;

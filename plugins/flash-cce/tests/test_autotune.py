@@ -280,3 +280,48 @@ def test_ranks_agree_on_auto_choice(tmp_path):
     )
     # only rank 0 writes its cache; rank 1's stays as it was
     assert results[0]["cached"] == results[0]["choice"] and results[1]["cached"] == "stock"
+
+
+# ------------------------------------------------------------- the trial's own cost
+
+
+def test_a_fitting_big_block_path_spares_the_trials_it_dominates(monkeypatch):
+    C = autotune.Candidate
+    big, small = (
+        C("flash", "cuda-gemm", 8192, 16384, 1024),
+        C("flash", "cuda-gemm", 2048, 8192, 128),
+    )
+    mlx_big = C("flash", "mlx", 8192, 16384, 1024)
+    assert autotune.dominates(big, small) and autotune.dominates(big, mlx_big)
+    assert not autotune.dominates(small, big) and not autotune.dominates(mlx_big, big)
+    assert not autotune.dominates(mlx_big, small)  # another step at other blocks: measured
+    assert not autotune.dominates(C("stock"), small)
+
+    peaks = {big: 100 << 20, small: 50 << 20, mlx_big: 60 << 20}
+    timed = []
+
+    def measure(run, cand, hidden, warmup):
+        timed.append(cand)
+        return autotune.Result(cand, 1.0, peaks[cand])
+
+    monkeypatch.setattr(autotune, "_measure", measure)
+    hidden, weight, targets = _case()
+    spec = autotune._heads.as_head(weight)
+    run = lambda *a: None  # noqa: E731 (never called: _measure is replaced)
+    # big fits 200 MiB: the two it dominates are not run
+    results, _ = autotune.trial([big, mlx_big, small], spec, 512, 64, mx.float32, 200 << 20, run)
+    assert timed == [big] and [r.candidate for r in results] == [big]
+    # big is over a 80 MiB budget: the others are measured
+    timed.clear()
+    results, _ = autotune.trial([big, mlx_big, small], spec, 512, 64, mx.float32, 80 << 20, run)
+    assert timed == [big, mlx_big, small]
+
+
+def test_the_trial_measures_a_quantized_head_with_the_real_scales_dtype():
+    weight = mx.random.normal((1024, 128)).astype(mx.bfloat16)
+    layer = nn.QuantizedLinear(128, 1024, bias=False, group_size=64, bits=4)
+    layer.weight, layer.scales, layer.biases = mx.quantize(weight, group_size=64, bits=4)
+    spec = autotune._heads.as_head(layer)
+    assert spec.kind == "quantized" and spec.scales.dtype == mx.bfloat16
+    _, head, _ = autotune._synthetic(spec, 16, 128, mx.bfloat16)
+    assert head.scales.dtype == mx.bfloat16 and head.biases.dtype == mx.bfloat16
