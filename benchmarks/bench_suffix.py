@@ -2,6 +2,7 @@
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/bench_suffix.py
+    python benchmarks/bench_suffix.py --device gpu --dtype bfloat16   # a CUDA GPU
 
 Target: SmolLM2-135M-Instruct in float32. Workloads, each run by every
 method in the same process, one after the other:
@@ -16,11 +17,19 @@ method in the same process, one after the other:
   them with the corpus the agent replay left (a copy per run), as a process
   that served those requests would.
 
+Methods: ``stock`` (mlx-lm's own decoding), each drafter drafting chains
+only (``ngram``, ``suffix``: ``--draft-tree off``) and the same drafter with
+token trees (``ngram+tree``, ``suffix+tree``: ``--draft-tree auto``, sized
+by the loop's measured verify cost).
+
 Columns: tok/s (generation only), ratio to stock and to ``ngram``,
-acceptance, tokens per target forward, the drafter's own Python time per
+acceptance, tokens per target forward, verify rounds that were branching
+trees, the drafter's own Python time per
 drafting round and as a share of a stock step, and ``same`` (every output
 token-identical to stock). Below the table: the corpus's memory per million
-tokens and the time to index a million tokens.
+tokens and the time to index a million tokens; above it, what a verify
+forward costs against its width on this machine, for a chain and for a
+tree of the same width (the figure the loop sizes trees by).
 """
 
 import argparse
@@ -70,6 +79,14 @@ def timed(drafter):
                 self.seconds += time.perf_counter() - t0
                 self.calls += 1
 
+        def draft_tree(self, ctx, n):
+            t0 = time.perf_counter()
+            try:
+                return base.draft_tree(self, ctx, n)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
         def accept(self, ctx, tokens, n_drafted):
             t0 = time.perf_counter()
             base.accept(self, ctx, tokens, n_drafted)
@@ -97,7 +114,7 @@ def replay(model, tok, requests, max_tokens, make):
     """One method over the whole sequence: outputs, tokens, seconds, figures."""
     drafter = make()
     outs, n, secs = [], 0, 0.0
-    fig = dict(drafted=0, accepted=0, emitted=0, forwards=0, rounds=0, auto_off=False)
+    fig = dict(drafted=0, accepted=0, emitted=0, forwards=0, rounds=0, trees=0, auto_off=False)
     for prompt in requests:
         toks, k, s, st = run(model, tok, prompt, max_tokens, drafter)
         outs.append(toks)
@@ -106,6 +123,7 @@ def replay(model, tok, requests, max_tokens, make):
             for f in ("drafted", "accepted", "emitted", "forwards"):
                 fig[f] += getattr(st, f)
             fig["rounds"] += st.draft_rounds
+            fig["trees"] += st.tree_rounds
             fig["auto_off"] |= st.auto_off
     return outs, n, secs, fig, drafter
 
@@ -117,6 +135,7 @@ def row(name, method, tps, base_tps, ngram_tps, fig, drafter, same):
         r["accept"] = fig["accepted"] / fig["drafted"] if fig["drafted"] else 0.0
         r["tpf"] = fig["emitted"] / fig["forwards"] if fig["forwards"] else 0.0
         r["auto_off"] = fig["auto_off"]
+        r["trees"] = fig["trees"]
         calls = getattr(drafter, "calls", 0)
         r["draft_ms"] = 1e3 * drafter.seconds / calls if calls else 0.0
         r["draft_share"] = (drafter.seconds / calls) * base_tps if calls else 0.0
@@ -125,20 +144,20 @@ def row(name, method, tps, base_tps, ngram_tps, fig, drafter, same):
 
 def table(rows):
     head = (
-        "| workload | method | tok/s | vs stock | vs ngram | accept | tok/fwd "
+        "| workload | method | tok/s | vs stock | vs ngram | accept | tok/fwd | trees "
         "| drafter ms/round (of a step) | same |"
     )
-    out = [head, "|---|---|---|---|---|---|---|---|---|"]
+    out = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         method = r["method"] + ("*" if r.get("auto_off") else "")
         vs_ngram = f"{r['vs_ngram']:.2f}x" if r.get("vs_ngram") else ""
         if "accept" in r:
             extra = (
-                f"{100 * r['accept']:.0f}% | {r['tpf']:.2f} | "
+                f"{100 * r['accept']:.0f}% | {r['tpf']:.2f} | {r['trees']} | "
                 f"{r['draft_ms']:.3f} ({100 * r['draft_share']:.2f}%)"
             )
         else:
-            extra = " | 1.00 | "
+            extra = " | 1.00 | | "
         out.append(
             f"| {r['workload']} | {method} | {r['tps']:.2f} | {r['ratio']:.2f}x | {vs_ngram} "
             f"| {extra} | {r['same']} |"
@@ -179,6 +198,43 @@ def corpus_memory(tokens, n=1_000_000):
     return corpus.nbytes, time.perf_counter() - t0
 
 
+def verify_costs(model, widths=(1, 2, 4, 8, 12, 16), prefix=256, reps=7):
+    """Seconds of one forward over ``w`` tokens after a ``prefix``-token
+    cache, as a chain and as a tree of the same width (a root with two
+    branches), in plain steps; fastest of ``reps`` (noise only slows)."""
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    from mlx_lm_spec_decode import tree as tree_mod
+    from mlx_lm_spec_decode.target import attention_policy
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.arange(prefix)[None] % 1000, cache=cache))
+    policy = attention_policy()
+
+    def best(fn, w):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            times.append(time.perf_counter() - t0)
+            trim_prompt_cache(cache, w)
+        return min(times)
+
+    out = {}
+    for w in widths:
+        toks = list(range(100, 100 + w))
+        half = 1 + (w - 1) // 2  # the second branch starts here
+        parents = [-1] + [0 if i in (1, half) else i - 1 for i in range(1, w)]
+        chain = best(lambda t=toks: model(mx.array(t)[None], cache=cache), w)
+        tree = best(lambda t=toks, p=parents: tree_mod.forward(model, cache, t, p, policy), w)
+        out[w] = (chain, tree)
+    plain = out[widths[0]][0]
+    lines = ["| width | chain (plain steps) | tree (plain steps) |", "|---|---|---|"]
+    for w, (c, t) in out.items():
+        lines.append(f"| {w} | {c / plain:.2f} | {t / plain:.2f} |")
+    return "\n".join(lines), plain
+
+
 def chat(tok, text):
     return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
 
@@ -190,25 +246,46 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--only", nargs="*", help="substrings of workload names to run")
     p.add_argument("--json", default=None, help="also write every row to this file")
+    p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="default: MLX's")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--no-trees", action="store_true", help="skip the +tree methods")
     args = p.parse_args()
 
+    if args.device:
+        mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     mlx_lm_ext.enable("spec-decode")
     model, tok = load(models.build("smollm2-135m-f32", progress=False))
+    if args.dtype != "float32":
+        model.set_dtype(getattr(mx, args.dtype))
+    costs, plain = verify_costs(model)
+    print(
+        f"# verify forward cost against its width (a plain step: {1e3 * plain:.1f} ms)\n\n"
+        f"{costs}\n",
+        flush=True,
+    )
     state = {"corpus": None}
 
-    def fresh_suffix():
-        state["corpus"] = sd.SuffixCorpus()
-        return timed(sd.SuffixDrafter(corpus=state["corpus"]))
+    def fresh_suffix(tree):
+        def make():
+            state["corpus"] = sd.SuffixCorpus()
+            return timed(sd.SuffixDrafter(corpus=state["corpus"], tree=tree))
+
+        return make
 
     agent = [chat(tok, t) for t in agent_requests()]
     methods = [
         ("stock", lambda: None),
-        ("ngram", lambda: timed(sd.NGramDrafter())),
-        ("suffix", fresh_suffix),
+        ("ngram", lambda: timed(sd.NGramDrafter(tree=False))),
+        ("suffix", fresh_suffix(False)),
     ]
+    if not args.no_trees:
+        methods += [
+            ("ngram+tree", lambda: timed(sd.NGramDrafter(tree=True))),
+            ("suffix+tree", fresh_suffix(True)),
+        ]
     print(
-        f"# float32 target, greedy, best of {args.repeats}; {args.agent_max_tokens} tokens a "
-        f"request (agent), {args.max_tokens} (the others)\n",
+        f"# {args.dtype} target on {mx.default_device()}, greedy, best of {args.repeats}; "
+        f"{args.agent_max_tokens} tokens a request (agent), {args.max_tokens} (the others)\n",
         flush=True,
     )
     rows, suffix = [], None
@@ -218,7 +295,13 @@ def main():
         )
         rows += r
     warm = state["corpus"] if suffix is not None else sd.SuffixCorpus()
-    methods[2] = ("suffix", lambda: timed(sd.SuffixDrafter(corpus=copy.deepcopy(warm))))
+    for i, (name, _) in enumerate(methods):
+        if name.startswith("suffix"):
+            tree = name.endswith("+tree")
+            methods[i] = (
+                name,
+                lambda tree=tree: timed(sd.SuffixDrafter(corpus=copy.deepcopy(warm), tree=tree)),
+            )
     for name, text in single_prompts():
         if args.only and not any(s in name for s in args.only):
             continue
@@ -234,6 +317,7 @@ def main():
     )
     if args.json:
         out = dict(device=str(mx.default_device()), max_tokens=args.max_tokens, rows=rows)
+        out["dtype"], out["verify_costs"] = args.dtype, costs
         out["corpus_bytes_per_million"], out["index_seconds_per_million"] = nbytes, secs
         Path(args.json).write_text(json.dumps(out, indent=1))
 

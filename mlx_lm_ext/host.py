@@ -10,6 +10,9 @@
 * ``override_attention(model, make)``: for the length of a ``with`` block,
   the attention function of ``model``'s modules is ``make(original)``
   (through the patch ledger, undone on exit).
+* ``override_rope(modules, make)``: for the length of a ``with`` block,
+  each of ``modules`` (``rope_modules(model)``: the attention modules that
+  rotate with ``self.rope``) rotates with ``make(original)``.
 """
 
 import contextlib
@@ -80,4 +83,16 @@ def override_attention(model, make: Callable[[Callable], Callable]) -> Iterator[
         (m, "scaled_dot_product_attention", make(m.scaled_dot_product_attention)) for m in mods
     ]
     with patching.scoped("attention", items):
+        yield
+
+
+def rope_modules(model) -> list:
+    """``model``'s modules that hold their rotary embedding as ``rope`` (mlx-lm's layout)."""
+    return [m for _, m in model.named_modules() if callable(m.get("rope"))]
+
+
+@contextlib.contextmanager
+def override_rope(modules: list, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Run each module's ``rope`` as ``make(original)`` inside the block."""
+    with patching.scoped("rope", [(m, "rope", make(m["rope"])) for m in modules]):
         yield

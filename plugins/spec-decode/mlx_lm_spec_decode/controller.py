@@ -88,17 +88,27 @@ class Controller:
         seconds, with b the cheapest marginal cost seen (other processes only
         ever make a forward slower, so the fastest samples are the truest).
         """
-        if len(self.plain) < 2 or len([w for w, _ in self.verify if w > 1]) < self.VERIFY_SAMPLES:
+        cost = self.verify_cost()
+        if cost is None:
             return None
-        p = min(self.plain)
-        b = max(0.0, min((t - p) / (w - 1) for w, t in self.verify if w > 1))
-        a = p - b
-        d = self.draft_step or 0.0
+        p = 1.0  # seconds in plain steps
+        a, b = cost
+        d = (self.draft_step or 0.0) / min(self.plain)
         best = 0.0
         for g in range(1, self.gmax + 1):
             tokens = (1 - accept ** (g + 1)) / (1 - accept)
             best = max(best, tokens * p / (a + b * (g + 1) + d * g))
         return best
+
+    def verify_cost(self) -> Optional[tuple[float, float]]:
+        """``(a, b)``: a verify forward over w tokens costs about ``a + b * w``
+        plain steps (b the cheapest marginal cost seen); None until enough
+        steps are timed. Token trees size themselves by it."""
+        if len(self.plain) < 2 or len([w for w, _ in self.verify if w > 1]) < self.VERIFY_SAMPLES:
+            return None
+        p = min(self.plain)
+        b = max(0.0, min((t - p) / (w - 1) for w, t in self.verify if w > 1)) / p
+        return 1.0 - b, b
 
     def verify_cannot_pay(self) -> bool:
         gain = self.best_gain(self.BEST_ACCEPT)

@@ -35,7 +35,7 @@ from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from . import sampling
+from . import sampling, tree_verify
 from . import stats as stats_mod
 from . import target as target_mod
 from .controller import Controller
@@ -172,6 +172,7 @@ class VerifyLoop:
         self.warned = False
         self.misses = 0  # drafting rounds in a row with nothing proposed
         self.start = _offset(self.target_cache)
+        self.trees = tree_verify.TreeRounds.start(self)  # None: chains only
 
     def _drafter_caches(self):
         """The drafter's caches from the prompt cache, rebuilt in place
@@ -273,12 +274,20 @@ class VerifyLoop:
     def draft_round(self, remaining: int, room: int) -> Iterator[Step]:
         """Draft up to γ tokens, verify them in one target forward, keep the
         accepted prefix and the target's own next token."""
-        k_req = min(self.ctl.want(), self._draft_limit(remaining, room))
+        limit = self._draft_limit(remaining, room)
+        k_req = min(self.ctl.want(), limit)
         t0 = time.perf_counter()
         if k_req <= 0:
             yield from self.plain(1, t0)
             return
-        drafts, q = self._draft(k_req, t0)
+        if self.trees is not None:  # a branching tree is verified there
+            drafts, q = self.trees.draft(k_req, limit)
+            if drafts is None:
+                self.misses = 0
+                yield from self._emit(*self.trees.verify(), t0)
+                return
+        else:
+            drafts, q = self._draft(k_req, t0)
         k = drafts.size
         if k == 0:
             yield from self._nothing_drafted(remaining, t0)
@@ -286,10 +295,19 @@ class VerifyLoop:
         self.misses = 0
         lp, hidden, a, target_tok = self._verify(drafts, q)
         d = drafts.tolist()
-        dt = time.perf_counter() - t0
         if k - a:
             trim_prompt_cache(self.target_cache, k - a)
-        out = d[:a] + [target_tok]
+        if self.trees is not None:
+            self.trees.update(k, a)
+        if hidden is not None:
+            self.ctx.hidden = hidden[a : a + 1]
+        yield from self._emit(lp, d[:a] + [target_tok], a, k, t0)
+
+    def _emit(self, lp: mx.array, out: list[int], a: int, k: int, t0: float) -> Iterator[Step]:
+        """A verified round: ``k`` drafted, ``a`` kept, ``out`` emitted
+        (``lp`` their logprobs rows); figures, controller, drafter, tokens."""
+        dt = time.perf_counter() - t0
+        target_tok = out[-1]
         st = self.st
         st.forwards += 1
         st.draft_rounds += 1
@@ -297,8 +315,6 @@ class VerifyLoop:
         st.accepted += a
         self.ctl.update(k, a, dt)
         st.gamma = self.ctl.gamma
-        if hidden is not None:
-            self.ctx.hidden = hidden[a : a + 1]
         self.drafter.accept(self.ctx, out, a)
         self.told += len(out)
         if self.context is not None:

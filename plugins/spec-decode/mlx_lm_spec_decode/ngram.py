@@ -130,13 +130,14 @@ class NGramDrafter(Drafter):
         max_draft: int = 10,
         adaptive: bool = True,
         auto_off: bool = True,
+        tree: bool = True,
     ):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {n_min}, {n_max}")
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
         self.n_max, self.n_min, self.max_draft = n_max, n_min, max_draft
-        self.adaptive, self.auto_off = adaptive, auto_off
+        self.adaptive, self.auto_off, self.tree = adaptive, auto_off, tree
 
     def __repr__(self):
         return f"NGramDrafter(n_max={self.n_max}, n_min={self.n_min}, max_draft={self.max_draft})"
@@ -167,6 +168,26 @@ class NGramDrafter(Drafter):
         if tries >= self.MIN_TRIES and hits < self.MIN_HIT * tries:
             return [], None  # silent: the guess is only checked
         return tokens, None
+
+    def draft_tree(self, ctx: DraftContext, n: int) -> list[tuple[list[int], float]]:
+        """The continuations of the latest match of each heard length (a
+        shorter n-gram may have occurred later, elsewhere): a token tree's
+        paths, each weighted 1."""
+        cache = ctx.cache[0]
+        toks, hits = cache.tokens, ctx.state.setdefault("hits", {})
+        paths, starts = [], set()
+        for length in range(min(self.n_max, len(toks)), self.n_min - 1, -1):
+            start = cache.index.get(tuple(toks[len(toks) - length :]))
+            if start is None or start in starts:
+                continue
+            tokens = cache.copy(start, n if length >= self.n_max else min(n, length))
+            if not starts:
+                ctx.state["guess"] = (length, tokens[0])  # the longest: checked in accept
+            starts.add(start)
+            tries, right = hits.get(length, (0.0, 0.0))
+            if not (tries >= self.MIN_TRIES and right < self.MIN_HIT * tries):
+                paths.append((tokens, 1.0))
+        return paths
 
     def accept(self, ctx: DraftContext, tokens: list[int], n_drafted: int) -> None:
         guess = ctx.state.pop("guess", None)

@@ -86,6 +86,14 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         f"(oldest dropped first; about 20 bytes each). Default: {DEFAULT_CORPUS_TOKENS}.",
     )
     group.add_argument(
+        "--draft-tree",
+        choices=("auto", "off"),
+        default="auto",
+        help="Token trees (ngram, suffix): verify several drafted continuations in one "
+        "forward where the measured cost of a wider forward pays for them ('auto'), or "
+        "only ever one chain ('off'). Default: auto.",
+    )
+    group.add_argument(
         "--no-auto-off",
         action="store_true",
         help="Keep drafting even when it measures slower than plain decoding.",
@@ -111,6 +119,8 @@ def _check(args):
     dmax = getattr(args, "draft_max", None)
     if dmax is not None and (not isinstance(dmax, int) or dmax < 1):
         raise PluginError(f"--draft-max must be a positive integer, got {dmax}")
+    if getattr(args, "draft_tree", "auto") not in ("auto", "off"):
+        raise PluginError(f"--draft-tree must be auto or off, got {args.draft_tree!r}")
     drafter = getattr(args, "drafter", None)
     if drafter is not None and drafter not in DRAFTERS:
         raise PluginError(f"--drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
@@ -188,11 +198,13 @@ def make_drafter(
     if which == "assistant":
         return _assistant(model, args, opts)
     if which == "suffix":
-        return SuffixDrafter(_corpus_tokens(args), tokenizer=tokenizer, **opts)
+        tree = getattr(args, "draft_tree", "auto") != "off"
+        return SuffixDrafter(_corpus_tokens(args), tokenizer=tokenizer, tree=tree, **opts)
     if which == "ngram":
         if draft_model is not None:
             log.warning("spec-decode: --drafter ngram ignores the --draft-model")
-        return NGramDrafter(n_max=args.ngram_max, n_min=args.ngram_min, **opts)
+        tree = getattr(args, "draft_tree", "auto") != "off"
+        return NGramDrafter(n_max=args.ngram_max, n_min=args.ngram_min, tree=tree, **opts)
     if draft_model is None:
         raise PluginError("--drafter draft-model needs --draft-model PATH")
     if isinstance(draft_model, Drafter):

@@ -18,6 +18,7 @@ class SpecStats:
     emitted: int = 0  # tokens yielded
     forwards: int = 0  # target forwards that produced tokens (verify or plain)
     draft_rounds: int = 0  # forwards that verified at least one draft
+    tree_rounds: int = 0  # of those, the ones that verified a branching token tree
     auto_off: bool = False  # drafting switched off as slower than plain decoding
     fallback: Optional[str] = None  # why the request decoded plainly, if it did
 
@@ -43,6 +44,8 @@ class SpecStats:
             f"({self.emitted} tokens, {self.forwards} forwards), "
             f"draft length {self.gamma_start}->{self.gamma}"
         )
+        if self.tree_rounds:
+            s += f", {self.tree_rounds} token trees"
         if self.auto_off:
             s += ", drafting switched off (slower than plain decoding)"
         if self.fallback:

@@ -106,6 +106,39 @@ def chain_draft(
     return out, best
 
 
+def continuations(
+    cands: list[tuple[int, int]],
+    follow: Callable[[int], Optional[int]],
+    n: int,
+    alpha: float,
+    present: Optional[int] = None,
+) -> list[tuple[list[int], float]]:
+    """What followed each of the longest-matching occurrences (as
+    ``chain_draft`` keeps them), up to ``n`` tokens and ``alpha`` times the
+    match length, each with weight 1: a token tree's paths."""
+    if not cands:
+        return []
+    best = max(m for m, _ in cands)
+    limit = min(n, int(alpha * best))
+    out = []
+    for m, p in cands:
+        if m < min(best, FULL_MATCH):
+            continue
+        path: list[int] = []
+        for j in range(limit):
+            q = p + j
+            if present is not None and q >= present:
+                t = path[q - present] if q - present < len(path) else None
+            else:
+                t = follow(q)
+            if t is None:
+                break
+            path.append(t)
+        if path:
+            out.append((path, 1.0))
+    return out
+
+
 # ------------------------------------------------------------ the request
 
 
@@ -366,13 +399,14 @@ class SuffixDrafter(Drafter):
         max_draft: int = 16,
         adaptive: bool = True,
         auto_off: bool = True,
+        tree: bool = True,
     ):
         if corpus_tokens < 2:
             raise ValueError(f"corpus_tokens must be >= 2, got {corpus_tokens}")
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
         self.corpus_tokens, self.max_draft = corpus_tokens, max_draft
-        self.adaptive, self.auto_off = adaptive, auto_off
+        self.adaptive, self.auto_off, self.tree = adaptive, auto_off, tree
         self.corpus = corpus  # fixed; else the process's corpus for the model
         self.tok_key = tokenizer_key(tokenizer) if tokenizer is not None else None
 
@@ -419,6 +453,25 @@ class SuffixDrafter(Drafter):
             if not self._silent(ctx, bucket):
                 return tokens, None
         return [], None  # nothing, or only silent guesses (checked in accept)
+
+    def draft_tree(self, ctx: DraftContext, n: int) -> list[tuple[list[int], float]]:
+        """Every continuation of the longest matches of both sources that
+        are heard (the loop merges them into a tree, weighted by frequency)."""
+        guesses = ctx.state["guesses"] = []
+        paths: list[tuple[list[int], float]] = []
+        for source, cands, follow, present in self._sources(ctx):
+            found = continuations(cands, follow, n, self.ALPHA, present)
+            if not found:
+                continue
+            firsts: dict[int, int] = {}
+            for path, _ in found:
+                firsts[path[0]] = firsts.get(path[0], 0) + 1
+            m = max(m for m, _ in cands)
+            bucket = (source, min(m, 8))
+            guesses.append((bucket, max(firsts, key=firsts.get)))
+            if not self._silent(ctx, bucket):
+                paths += found
+        return paths
 
     def accept(self, ctx: DraftContext, tokens: list[int], n_drafted: int) -> None:
         hits = ctx.state.setdefault("hits", {})

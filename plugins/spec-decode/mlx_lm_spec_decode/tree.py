@@ -1,0 +1,241 @@
+"""Token trees: several drafted continuations verified in one target forward.
+
+A tree is plain data: ``tokens[i]`` and ``parents[i]`` for nodes in
+topological order (a parent before its children). Node 0 is the root, the
+pending token ``y`` (parent -1); every other node is a drafted token. A
+chain is the tree whose every node has at most one child.
+
+The verify forward feeds the nodes in index order. Two things make that
+equal to feeding each root-to-leaf path on its own:
+
+- attention: node ``i`` sees the cache and its own ancestors (itself
+  included), never its siblings' branches (``ancestors``);
+- positions: node ``i`` sits at ``offset + depth[i]``, not ``offset + i``.
+  mlx-lm's attention modules rotate queries and keys with
+  ``self.rope(x, offset=cache.offset)``; for the tree forward the host swaps
+  each module's ``rope`` for one that rotates node ``i`` at its depth (the
+  nodes moved into the batch axis, where mlx-lm's rope modules take one
+  offset per row, as its batched generation needs).
+
+A model that does not follow that layout is caught by ``tree_ok``: the
+first time a model is seen, a small tree forward is compared with chain
+forwards over the same paths; where they differ, the request drafts chains.
+"""
+
+import contextlib
+import logging
+import weakref
+from typing import Any, Iterator, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_lm_ext import host
+
+from . import target as target_mod
+
+log = logging.getLogger("mlx_lm_spec_decode")
+
+MAX_NODES = target_mod.EXPLICIT_MAX_QUERIES  # the root included
+
+
+# ------------------------------------------------------------ plain data
+
+
+def depths(parents: list[int]) -> list[int]:
+    out = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
+def children(parents: list[int]) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in parents]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            out[p].append(i)
+    return out
+
+
+def is_chain(parents: list[int]) -> bool:
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
+def path_to(parents: list[int], i: int) -> list[int]:
+    """Node indices from the root to ``i``."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
+def trie(paths: list[tuple[list[int], float]]) -> tuple[list[int], list[int], list[float]]:
+    """Merge weighted drafted paths into a trie under a root: ``(tokens,
+    parents, shares)``, the root's token ``-1``; a node's share is the weight
+    of the paths through it over all the weight (an estimate of how often
+    the text goes that way)."""
+    tokens, parents, weight = [-1], [-1], [0.0]
+    kids: list[dict[int, int]] = [{}]
+    for path, w in paths:
+        node = 0
+        weight[0] += w
+        for t in path:
+            nxt = kids[node].get(t)
+            if nxt is None:
+                nxt = kids[node][t] = len(tokens)
+                tokens.append(int(t))
+                parents.append(node)
+                weight.append(0.0)
+                kids.append({})
+            weight[nxt] += w
+            node = nxt
+    total = weight[0] or 1.0
+    return tokens, parents, [w / total for w in weight]
+
+
+def select(
+    parents: list[int], probs: list[float], limit: int, cost: Optional[tuple[float, float]]
+) -> list[int]:
+    """The nodes worth verifying (root first, parents before children).
+
+    ``probs[i]`` estimates the chance node ``i`` ends on the accepted path.
+    A verify over ``w`` tokens costs ``a + b * w`` plain steps (``cost``):
+    nodes are taken most likely first while one more raises the expected
+    tokens per second, i.e. while its probability exceeds ``b`` times the
+    tokens per plain step the tree reaches so far. Without a measured cost,
+    the most likely path only (a chain), as far as ``limit`` nodes.
+    """
+    order = sorted(range(1, len(parents)), key=lambda i: (-probs[i], i))
+    keep, expect = {0}, 1.0
+    if cost is None:
+        node = 0
+        kids = children(parents)
+        while kids[node] and len(keep) <= limit:
+            node = max(kids[node], key=lambda c: (probs[c], -c))
+            keep.add(node)
+        return sorted(keep)
+    a, b = cost
+    spent = a + b
+    for i in order:
+        if len(keep) > limit or parents[i] not in keep:
+            continue
+        if probs[i] <= b * expect / spent:
+            break
+        keep.add(i)
+        expect += probs[i]
+        spent += b
+    return sorted(keep)
+
+
+def subtree(tokens: list[int], parents: list[int], keep: list[int]) -> tuple[list[int], list[int]]:
+    """The kept nodes renumbered (``keep`` sorted, closed under parents)."""
+    where = {old: new for new, old in enumerate(keep)}
+    return [tokens[i] for i in keep], [where.get(parents[i], -1) for i in keep]
+
+
+def ancestors(parents: list[int]) -> mx.array:
+    """``[n, n]`` boolean: row ``i`` is true at ``i`` and its ancestors."""
+    n = len(parents)
+    rows = []
+    for i in range(n):
+        row = [False] * n
+        for j in path_to(parents, i):
+            row[j] = True
+        rows.append(row)
+    return mx.array(rows)
+
+
+# ------------------------------------------------------- the tree forward
+
+
+@contextlib.contextmanager
+def attention(model: Any, parents: list[int], policy: str) -> Iterator[None]:
+    """Within the block, a forward of ``model`` over ``len(parents)`` tokens
+    is a tree forward: node positions by depth, attention to ancestors."""
+    n = len(parents)
+    pos = mx.array(depths(parents), mx.int32)
+    anc = ancestors(parents)
+    masks: dict[int, mx.array] = {}
+
+    def rope(orig):
+        def rotate(x, offset=0):
+            if x.ndim != 4 or x.shape[0] != 1 or x.shape[2] != n or not isinstance(offset, int):
+                return orig(x, offset=offset)
+            return orig(x.swapaxes(0, 2), offset=offset + pos).swapaxes(0, 2)
+
+        return rotate
+
+    def sdpa(orig):
+        def tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+            if sinks is not None or queries.shape[2] != n:
+                return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+            s = keys.shape[2]
+            full = masks.get(s)
+            if full is None:
+                full = masks[s] = mx.concatenate([mx.ones((n, s - n), mx.bool_), anc], axis=1)[
+                    None, None
+                ]
+            if policy == "fused":
+                return orig(queries, keys, values, cache=cache, scale=scale, mask=full)
+            # CUDA half precision: matmuls, not a cuDNN graph per cache length.
+            return target_mod.explicit_attention(queries, keys, values, scale, full)
+
+        return tree_sdpa
+
+    with host.override_rope(host.rope_modules(model), rope):
+        with host.override_attention(model, sdpa):
+            yield
+
+
+def forward(model: Any, cache: list[Any], tokens: list[int], parents: list[int], policy: str):
+    """Logits ``[n, V]`` of a tree forward (the caches grow by ``n``)."""
+    with attention(model, parents, policy):
+        return model(mx.array(tokens, mx.uint32)[None], cache=cache)[0]
+
+
+# ------------------------------------------------- does this model fit
+
+_CHECKED: dict[int, bool] = {}
+
+
+def tree_ok(model: Any, policy: str) -> bool:
+    """Whether a tree forward of ``model`` equals chain forwards over its
+    paths (checked once per loaded model, on a five-token prompt)."""
+    key = id(model)
+    if key not in _CHECKED:
+        _CHECKED[key] = _check(model, policy)
+        try:
+            weakref.finalize(model, _CHECKED.pop, key, None)
+        except TypeError:
+            pass
+        if not _CHECKED[key]:
+            log.info(
+                "spec-decode: this model's attention does not take a token tree "
+                "(positions or mask differ from chains); drafting chains"
+            )
+    return _CHECKED[key]
+
+
+def _check(model, policy):
+    if not host.rope_modules(model):
+        return False
+    prompt, root = [1, 2, 3, 4], 5
+    tokens, parents = [root, 9, 6, 8, 7, 3], [-1, 0, 0, 2, 2, 1]
+    try:
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt, mx.uint32)[None], cache=cache)
+        tree_logits = forward(model, cache, tokens, parents, policy)
+        for leaf in (4, 5):
+            path = path_to(parents, leaf)
+            ref = make_prompt_cache(model)
+            seq = prompt + [tokens[i] for i in path]
+            chain = model(mx.array(seq, mx.uint32)[None], cache=ref)[0, len(prompt) :]
+            got = tree_logits[mx.array(path)]
+            scale = mx.abs(chain).max().item() + 1e-6
+            if mx.abs(got - chain).max().item() > 1e-2 * scale:
+                return False
+        return True
+    except Exception as e:  # an architecture the tree forward cannot run: chains
+        log.debug(f"spec-decode: tree check failed: {e}")
+        return False

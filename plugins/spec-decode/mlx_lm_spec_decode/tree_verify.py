@@ -1,0 +1,233 @@
+"""Token-tree rounds of the verify loop: which tree to verify, which path
+the target accepts, and the cache left holding exactly that path.
+
+- Drafting: a drafter with ``draft_tree(ctx, n)`` proposes weighted paths;
+  they merge into a trie (``tree.trie``) whose node shares, times the
+  request's measured continuation rate per level, estimate how likely each
+  node is to be accepted. ``tree.select`` keeps the nodes that raise the
+  expected tokens per second under the controller's measured verify cost
+  (``Controller.verify_cost``): where a wider forward costs, what is left is
+  a chain, and the loop verifies it as any other chain.
+- Acceptance (``accept_path``, ``accept_sampled``): greedy follows the
+  target's argmax down the tree; a custom sampler follows its own draw at
+  each node; at temperature > 0 the siblings are tried in turn by recursive
+  rejection (a drafted token ``x`` is kept with probability ``r(x) / mass(r)``
+  where ``r`` is the target's distribution less the siblings already
+  rejected; when all are rejected the token is drawn from what is left).
+  Each emitted token is distributed exactly as the target's own.
+- The cache (``compact``): the tree forward appended every node; the
+  accepted path's entries (not contiguous in general) are gathered into
+  place right after the prefix, and the rest is trimmed. Keys there are
+  already rotated at the path's depths, i.e. at the positions a chain would
+  have given them.
+"""
+
+import logging
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from . import sampling
+from . import tree as tree_mod
+
+log = logging.getLogger("mlx_lm_spec_decode")
+
+
+# ------------------------------------------------------------ acceptance
+
+
+def accept_path(targets: list[int], tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """Follow ``targets[node]`` (the target's token after each node) down the
+    tree: the accepted path (root first) and the target's token after it."""
+    kids = tree_mod.children(parents)
+    node, path = 0, [0]
+    while True:
+        t = targets[node]
+        nxt = next((c for c in kids[node] if tokens[c] == t), None)
+        if nxt is None:
+            return path, t
+        path.append(nxt)
+        node = nxt
+
+
+def sampled_draws(
+    logprobs: mx.array, tokens: list[int], parents: list[int], temp: float, filt: Any
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Lazy draws for ``accept_sampled``: each drafted node's probability
+    under its parent's distribution, a uniform per node, and per node a token
+    drawn from its distribution less its children's tokens."""
+    lp = filt(logprobs) if filt is not None else logprobs
+    p = mx.softmax(lp.astype(mx.float32) * (1.0 / temp), axis=-1)
+    n = len(tokens)
+    rows = mx.array(parents[1:], mx.int32)
+    cols = mx.array(tokens[1:], mx.int32)
+    p_child = mx.concatenate([mx.zeros((1,), mx.float32), p[rows, cols]])
+    taken = mx.zeros(p.shape, mx.float32)
+    if n > 1:
+        taken[rows, cols] = p_child[1:]
+    residual = p - taken
+    # All the mass on drafted children: rejecting them all has probability 0.
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 1e-9, residual, p)
+    res_tok = mx.random.categorical(mx.log(mx.maximum(residual, 0.0)))
+    return p_child, mx.random.uniform(shape=(n,)), res_tok
+
+
+def accept_sampled(
+    p_child: list[float], u: list[float], res_tok: list[int], parents: list[int]
+) -> tuple[list[int], int]:
+    """Recursive rejection over siblings (``sampled_draws``' values): the
+    accepted path and the token drawn after it."""
+    kids = tree_mod.children(parents)
+    node, path = 0, [0]
+    while True:
+        rest = 1.0
+        for c in kids[node]:
+            if u[c] * rest < p_child[c]:
+                path.append(c)
+                node = c
+                break
+            rest -= p_child[c]
+        else:
+            return path, res_tok[node]
+
+
+def tree_logprobs(
+    logits: mx.array,
+    processors: Optional[list],
+    context: Optional[list[int]],
+    tokens: list[int],
+    parents: list[int],
+) -> mx.array:
+    """Log-softmax rows; logits processors see each node's own path."""
+    if processors:
+        rows = []
+        for i in range(len(tokens)):
+            seen = context + [tokens[j] for j in tree_mod.path_to(parents, i)[1:]]
+            row = logits[i : i + 1]
+            for proc in processors:
+                row = proc(mx.array(seen, mx.uint32), row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+# ------------------------------------------------------------- the cache
+
+
+def compact(caches: list[Any], start: int, fed: int, path: list[int]) -> None:
+    """Caches that hold ``start`` + ``fed`` tree nodes keep ``start`` + the
+    path's nodes, in path order."""
+    m = len(path)
+    if path != list(range(m)):
+        idx = mx.array(path, mx.int32) + start
+        for c in caches:
+            c.keys[..., start : start + m, :] = c.keys[..., idx, :]
+            c.values[..., start : start + m, :] = c.values[..., idx, :]
+    for c in caches:
+        c.trim(fed - m)
+
+
+# --------------------------------------------------------- one request
+
+
+def _owner(cls: type, name: str) -> type:
+    return next((k for k in cls.__mro__ if name in vars(k)), object)
+
+
+class TreeRounds:
+    """One request's trees: drafting, verifying and the continuation rate
+    (accepted tokens over accepted plus rejections, decayed) that scales
+    the drafter's shares into acceptance estimates."""
+
+    DECAY = 0.9
+
+    def __init__(self, loop: Any):
+        self.loop = loop
+        self.acc, self.rej = 1.5, 1.0  # a prior of 0.6
+        self.pending: Optional[tuple[list[int], list[int]]] = None
+
+    @classmethod
+    def start(cls, loop: Any) -> Optional["TreeRounds"]:
+        """Trees for this request, or None: the drafter proposes trees and the
+        option is on, the caches are plain ``KVCache`` and the model's
+        attention takes a tree; otherwise chains (a log line says why)."""
+        d = loop.drafter
+        if not getattr(d, "tree", False) or not callable(getattr(d, "draft_tree", None)):
+            return None
+        if not issubclass(_owner(type(d), "draft_tree"), _owner(type(d), "draft")):
+            return None  # a subclass that changed draft() alone: its chains
+        if d.needs_hidden:
+            return None
+        kinds = {type(c) for c in loop.target_cache}
+        if kinds != {KVCache} or loop.kv_bits is not None:
+            names = ", ".join(sorted(k.__name__ for k in kinds))
+            why = "a quantized KV cache (--kv-bits)" if kinds == {KVCache} else names
+            log.info(f"spec-decode: token trees need plain KV caches, not {why}; drafting chains")
+            return None
+        if not tree_mod.tree_ok(loop.model, loop.attention):
+            return None
+        return cls(loop)
+
+    @property
+    def rate(self) -> float:
+        return self.acc / (self.acc + self.rej)
+
+    def draft(self, k_req: int, limit: int) -> tuple[Optional[mx.array], None]:
+        """A chain to verify as usual (an array, maybe empty), or ``None``:
+        a tree is pending for ``verify``."""
+        loop = self.loop
+        loop.ctl.free_drafts()
+        cost = loop.ctl.verify_cost()
+        # Depth: the controller's γ until the verify cost is measured, then
+        # as deep as the cost rule and the request allow.
+        depth = k_req if cost is None or not loop.drafter.adaptive else max(k_req, limit)
+        depth = min(depth, limit, tree_mod.MAX_NODES - 1)
+        paths = loop.drafter.draft_tree(loop.ctx, depth)
+        if not paths:
+            return mx.array([], mx.uint32), None
+        tokens, parents, shares = tree_mod.trie(paths)
+        rate = self.rate
+        probs = [s * rate**d for s, d in zip(shares, tree_mod.depths(parents), strict=True)]
+        keep = tree_mod.select(parents, probs, k_req if cost is None else depth, cost)
+        tokens, parents = tree_mod.subtree(tokens, parents, keep)
+        if tree_mod.is_chain(parents):
+            return mx.array(tokens[1:], mx.uint32), None
+        tokens[0] = loop.y
+        self.pending = (tokens, parents)
+        return None, None
+
+    def verify(self) -> tuple[mx.array, list[int], int, int]:
+        """The pending tree through one target forward: ``(logprobs rows of
+        the emitted tokens, emitted tokens, accepted, drafted nodes)``."""
+        loop = self.loop
+        tokens, parents = self.pending
+        self.pending = None
+        loop.st.tree_rounds += 1
+        start = loop.target_cache[0].offset
+        logits = tree_mod.forward(loop.model, loop.target_cache, tokens, parents, loop.attention)
+        lp = tree_logprobs(logits, loop.logits_processors, loop.context, tokens, parents)
+        if loop.kind == "explicit":
+            draws = sampled_draws(lp, tokens, parents, loop.temp, loop.filt)
+            mx.eval(*draws)
+            path, tok = accept_sampled(*(d.tolist() for d in draws), parents)
+        else:
+            if loop.kind == "greedy":
+                t = sampling.verify_greedy(lp, None)
+            else:
+                if not loop.match_checked:
+                    sampling.check_sampler(loop.sampler, lp.shape[-1])
+                t = sampling.verify_match(lp, loop.sampler)
+            loop.match_checked = True
+            path, tok = accept_path(t.tolist(), tokens, parents)
+        compact(loop.target_cache, start, len(tokens), path)
+        a = len(path) - 1
+        out = [tokens[i] for i in path[1:]] + [int(tok)]
+        self.update(len(tokens) - 1, a, bool(tree_mod.children(parents)[path[-1]]))
+        return lp[mx.array(path, mx.int32)], out, a, len(tokens) - 1
+
+    def update(self, k: int, a: int, rejected: Optional[bool] = None) -> None:
+        """A round verified ``k`` drafted nodes and accepted ``a``."""
+        rejected = a < k if rejected is None else rejected
+        self.acc = self.DECAY * self.acc + a
+        self.rej = self.DECAY * self.rej + rejected

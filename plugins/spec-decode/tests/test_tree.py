@@ -1,0 +1,273 @@
+"""Token trees: tree forwards equal chain forwards over each path, the cache
+keeps exactly the accepted path, greedy tree decoding is token-identical to
+stock on the offline model, sampled tree acceptance reproduces the target's
+distribution, and caches that cannot take a tree fall back to chains."""
+
+import argparse
+import logging
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import apply_top_k, make_sampler
+from test_sampling import TEMP, chi2, chi2_critical, target_probs
+
+from mlx_lm_spec_decode import (
+    Drafter,
+    NGramDrafter,
+    SuffixCorpus,
+    SuffixDrafter,
+    last_stats,
+    speculative_generate_step,
+    tree_verify,
+)
+from mlx_lm_spec_decode import plugin as plugin_mod
+from mlx_lm_spec_decode import tree as tree_mod
+from mlx_lm_spec_decode.controller import Controller
+
+
+@pytest.fixture
+def cheap_width(monkeypatch):
+    """A machine where a wider verify costs almost nothing: trees pay."""
+    monkeypatch.setattr(Controller, "verify_cost", lambda self: (0.95, 0.01))
+
+
+def kv(cache, n):
+    return [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+
+
+def assert_same_kv(got, ref, atol=1e-4):
+    for (k1, v1), (k2, v2) in zip(got, ref, strict=True):
+        assert k1.shape == k2.shape
+        assert mx.allclose(k1, k2, atol=atol).item() and mx.allclose(v1, v2, atol=atol).item()
+
+
+# ------------------------------------------------------------ plain data
+
+
+def test_a_chain_tree_is_a_chain():
+    tokens, parents, shares = tree_mod.trie([([5, 6, 7], 1.0)])
+    assert tokens == [-1, 5, 6, 7] and parents == [-1, 0, 1, 2] and shares == [1.0] * 4
+    assert tree_mod.is_chain(parents) and tree_mod.depths(parents) == [0, 1, 2, 3]
+    causal = mx.tril(mx.ones((4, 4), mx.bool_))
+    assert mx.array_equal(tree_mod.ancestors(parents), causal).item()
+
+
+def test_trie_merges_shared_prefixes_and_select_follows_the_cost():
+    tokens, parents, shares = tree_mod.trie([([5, 6], 1.0), ([5, 8], 1.0), ([9], 2.0)])
+    assert tokens == [-1, 5, 6, 8, 9] and parents == [-1, 0, 1, 1, 0]
+    assert shares == [1.0, 0.5, 0.25, 0.25, 0.5]
+    assert tree_mod.depths(parents) == [0, 1, 2, 2, 1]
+    assert tree_mod.path_to(parents, 3) == [0, 1, 3]
+    # No measured cost: the most likely path only, as far as the limit.
+    assert tree_mod.select(parents, shares, 4, None) == [0, 1, 2]
+    # Nearly free width: everything; costly width: the likeliest nodes only.
+    assert tree_mod.select(parents, shares, 15, (0.99, 0.01)) == [0, 1, 2, 3, 4]
+    assert tree_mod.select(parents, shares, 15, (0.6, 0.4)) == [0, 1, 4]
+    assert tree_mod.select(parents, shares, 15, (0.2, 0.8)) == [0]
+    assert tree_mod.subtree(tokens, parents, [0, 1, 3]) == ([-1, 5, 8], [-1, 0, 1])
+
+
+# ------------------------------------------------------ the tree forward
+
+
+@pytest.mark.parametrize("policy", ["fused", "explicit"])
+def test_tree_forward_equals_chain_forwards_and_compacts_to_them(tiny_llama, policy):
+    model, _ = tiny_llama
+    prompt = [3, 14, 15, 92, 65]
+    tokens, parents = [35, 89, 79, 32, 38, 46, 26], [-1, 0, 0, 2, 2, 3, 1]
+    # Chain-shaped first: a tree forward of a chain is a chain forward.
+    for toks, pars in ((tokens[:3], [-1, 0, 1]), (tokens, parents)):
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt)[None], cache=cache)
+        logits = tree_mod.forward(model, cache, toks, pars, policy)
+        for leaf in range(len(toks)):
+            path = tree_mod.path_to(pars, leaf)
+            seq = prompt + [toks[i] for i in path]
+            ref = model(mx.array(seq)[None])[0, len(prompt) :]
+            assert mx.allclose(logits[mx.array(path)], ref, atol=1e-4).item(), (pars, leaf)
+    # Keep the path to node 5 (not contiguous: nodes 0, 2, 3, 5).
+    path = tree_mod.path_to(parents, 5)
+    tree_verify.compact(cache, len(prompt), len(tokens), path)
+    seq = prompt + [tokens[i] for i in path]
+    ref = make_prompt_cache(model)
+    model(mx.array(seq)[None], cache=ref)
+    assert cache[0].offset == len(seq)
+    assert_same_kv(kv(cache, len(seq)), kv(ref, len(seq)))
+    assert tree_mod.tree_ok(model, policy)
+
+
+def test_greedy_and_sampled_acceptance_walk_the_tree():
+    tokens, parents = [0, 4, 7, 1, 2], [-1, 0, 0, 2, 2]
+    # Target says 7 after the root, 2 after node 2, 9 after node 4.
+    targets = [7, 0, 2, 0, 9]
+    assert tree_verify.accept_path(targets, tokens, parents) == ([0, 2, 4], 9)
+    assert tree_verify.accept_path([5, 0, 0, 0, 0], tokens, parents) == ([0], 5)
+    # Sampled: node 1 rejected (u * 1 >= p), node 2 accepted (u * rest < p).
+    p_child, u, res = [0, 0.2, 0.5, 0.1, 0.1], [0, 0.5, 0.3, 0.99, 0.99], [8, 8, 6, 8, 8]
+    assert tree_verify.accept_sampled(p_child, u, res, parents) == ([0, 2], 6)
+
+
+# ------------------------------------------------------ decoding with trees
+
+
+class Branchy(NGramDrafter):
+    """The n-gram drafter's paths and, every round, a wrong sibling first: the
+    loop verifies a branching tree each time it drafts."""
+
+    name = "branchy"
+
+    def draft_tree(self, ctx, n):
+        paths = super().draft_tree(ctx, n)
+        if paths:
+            wrong = [(paths[0][0][0] + 1) % 1000] + paths[0][0][1:]
+            paths = [(wrong, 2.0)] + paths
+        return paths
+
+
+def stock(model, prompt, n):
+    out = []
+    for t, _ in generate_step(prompt, model, max_tokens=n):
+        out.append(int(t))
+    return out
+
+
+def spec(model, drafter, prompt, n, cache):
+    return [
+        t
+        for t, _, _ in speculative_generate_step(
+            prompt, model, drafter, num_draft_tokens=3, max_tokens=n, prompt_cache=cache
+        )
+    ]
+
+
+@pytest.mark.slow
+def test_greedy_trees_token_identical_to_stock_on_the_offline_model(smollm2_f32_path, cheap_width):
+    from test_parity_smollm2 import PROMPTS
+
+    model, tok = load(str(smollm2_f32_path))
+    n, trees = 40, 0
+    corpus = SuffixCorpus(cap=100_000)
+    for text in PROMPTS:
+        prompt = mx.array(
+            tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        )
+        ref = stock(model, prompt, n)
+        for drafter in (Branchy(), NGramDrafter(), SuffixDrafter(corpus=corpus)):
+            cache = make_prompt_cache(model) + drafter.make_cache()
+            out = spec(model, drafter, prompt, n, cache)
+            assert out == ref, (drafter.name, text[:40], tok.decode(out), tok.decode(ref))
+            trees += last_stats().tree_rounds
+            # The cache holds exactly prompt + emitted, as a plain forward leaves it.
+            seq = prompt.tolist() + out
+            plain = make_prompt_cache(model)
+            model(mx.array(seq)[None], cache=plain)
+            assert cache[0].offset == len(seq)
+            assert_same_kv(kv(cache[: len(model.layers)], len(seq)), kv(plain, len(seq)), 1e-3)
+    assert trees > 10
+
+
+class FixedTree(Drafter):
+    """Always proposes the same paths, as a tree."""
+
+    name = "fixed-tree"
+    auto_off = False
+    adaptive = False
+    tree = True
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def draft_tree(self, ctx, n):
+        return [(p[:n], 1.0) for p in self.paths]
+
+
+def test_sampled_tree_acceptance_matches_target_distribution(tiny_llama, cheap_width):
+    model, tok = tiny_llama
+    prompt = tok.encode("the cat sat on the")
+    mx.random.seed(0)
+    sampler = make_sampler(TEMP, top_k=6)
+    filt = lambda lp: apply_top_k(lp, 6)  # noqa: E731
+    p1 = target_probs(model, prompt, filt, None, 1)
+    top = sorted(p1, key=p1.get, reverse=True)
+    # Root siblings: the second, first and fourth most likely; a likely and
+    # an unlikely follower under them: acceptance and rejection at each level.
+    p2 = target_probs(model, prompt + [top[1]], filt, None, 2)
+    f = sorted(p2, key=p2.get, reverse=True)
+    drafter = FixedTree([[top[1], f[0]], [top[1], f[2]], [top[0]], [top[3], top[0]]])
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    start, N = cache[0].offset, 600
+    first, second, trees = Counter(), Counter(), 0
+    for _ in range(N):
+        toks = [
+            t
+            for t, _, _ in speculative_generate_step(
+                mx.array(prompt[-1:]),
+                model,
+                drafter,
+                num_draft_tokens=2,
+                max_tokens=3,
+                sampler=sampler,
+                prompt_cache=cache,
+            )
+        ]
+        trees += last_stats().tree_rounds
+        first[toks[0]] += 1
+        second[toks[1]] += 1
+        assert cache[0].offset == start + 4
+        trim_prompt_cache(cache, 4)
+    assert trees == N
+    stat, df = chi2(first, p1, N)
+    assert stat < chi2_critical(df), ("first token", stat, df)
+    marginal = Counter()
+    for t1, q1 in p1.items():
+        for t2, q2 in target_probs(model, prompt + [t1], filt, None, 2).items():
+            marginal[t2] += q1 * q2
+    stat, df = chi2(second, dict(marginal), N)
+    assert stat < chi2_critical(df), ("second token", stat, df)
+
+
+@pytest.mark.parametrize("how", ["rotating", "quantized"])
+def test_caches_that_cannot_take_a_tree_draft_chains(tiny_model, caplog, cheap_width, how):
+    model, tok = load(str(tiny_model("llama", head_dim=32)))  # quantizable by groups of 32
+    prompt = mx.array(tok.encode("one two three four one two three four one two three four"))
+    ref = stock(model, prompt, 12)
+    if how == "rotating":
+        cache, kw = [RotatingKVCache(max_size=256, keep=4) for _ in model.layers], {}
+    else:
+        cache, kw = None, dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+    drafter = Branchy(n_min=1)
+    with caplog.at_level(logging.INFO, logger="mlx_lm_spec_decode"):
+        out = [
+            t
+            for t, _, _ in speculative_generate_step(
+                prompt, model, drafter, num_draft_tokens=3, max_tokens=12, prompt_cache=cache, **kw
+            )
+        ]
+    if how == "rotating":
+        assert out == ref
+    else:
+        kw.pop("kv_bits")
+        ref = [int(t) for t, _ in generate_step(prompt, model, max_tokens=12, kv_bits=8, **kw)]
+        assert out == ref
+    lines = [r for r in caplog.records if "token trees need plain KV caches" in r.getMessage()]
+    assert len(lines) == 1
+    assert last_stats().tree_rounds == 0
+
+
+def test_draft_tree_flag(tiny_llama):
+    model, tok = tiny_llama
+    for which in ("ngram", "suffix"):
+        for flag, want in (("auto", True), ("off", False)):
+            args = argparse.Namespace(
+                drafter=which, draft_tree=flag, ngram_max=4, ngram_min=2, suffix_corpus_tokens="100"
+            )
+            plugin_mod._check(args)
+            d = plugin_mod.make_drafter("generate", model, tok, None, args, args)
+            assert d.tree is want
+    with pytest.raises(Exception, match="--draft-tree"):
+        plugin_mod._check(argparse.Namespace(draft_tree="wide"))
