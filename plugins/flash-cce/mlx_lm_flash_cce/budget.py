@@ -26,7 +26,7 @@ MIB = 1 << 20
 # The default budget: half of what the stock head would hold for the batch,
 # at most DEFAULT_CAP. Chosen from the H200 measurements in
 # benchmarks/results/flash-cce-h200.md (the README's "Memory budget" says why).
-DEFAULT_CAP = 3072 * MIB
+DEFAULT_CAP = 2048 * MIB
 DEFAULT_FLOOR = 256 * MIB
 DEFAULT_SHARE = 0.5
 # With the default budget, a training run holds MLX's limit no lower than

@@ -129,7 +129,7 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         metavar="SIZE",
         help="most working memory the loss head may use above its inputs, e.g. 512M or 2G; "
         "the auto backend keeps the fastest path within it (default: half of what "
-        "the stock loss would hold, at most 3G)",
+        "the stock loss would hold, at most 2G)",
     )
 
 
