@@ -29,6 +29,9 @@ class Controller:
     # stays off for the request instead of retrying after each back-off.
     BEST_ACCEPT = 0.9
     VERIFY_SAMPLES = 2  # verify rounds timed before this is judged
+    # ... and before the judgement is final: until then it is a back-off,
+    # as two verifies timed while other work ran may have been slowed.
+    VERIFY_SURE = 6
 
     def __init__(self, gamma: int, gmax: int, adaptive: bool = True, auto_off: bool = True):
         self.gmax = max(1, gmax)
@@ -36,6 +39,7 @@ class Controller:
         self.adaptive, self.auto_off = adaptive, auto_off
         self.spec = deque(maxlen=self.WINDOW)  # (seconds, tokens)
         self.verify = deque(maxlen=8)  # (window width, seconds of the verify forward)
+        self.tree_verify = deque(maxlen=8)  # the same for branching token trees
         self.plain = deque(maxlen=5)  # seconds per plain step
         # Time two plain steps first: every decision compares against them.
         self.probe = 2 if auto_off else 0
@@ -110,18 +114,34 @@ class Controller:
         b = max(0.0, min((t - p) / (w - 1) for w, t in self.verify if w > 1)) / p
         return 1.0 - b, b
 
+    def tree_surcharge(self) -> float:
+        """Plain steps a branching tree's verify costs beyond a chain of its
+        width (its mask and depth positions; 0 until a tree is timed).
+        Where it is dear (a GPU's unfused attention path), trees stop
+        paying and the selection falls back to chains."""
+        cost = self.verify_cost()
+        if cost is None or not self.tree_verify or not self.plain:
+            return 0.0
+        a, b = cost
+        p = min(self.plain)
+        return max(0.0, min(t / p - (a + b * w) for w, t in self.tree_verify))
+
     def verify_cannot_pay(self) -> bool:
         gain = self.best_gain(self.BEST_ACCEPT)
         return gain is not None and gain < self.SLACK
 
-    def update(self, k: int, a: int, dt: float) -> None:
-        """A round drafted ``k`` tokens (0: a plain step), kept ``a``, took ``dt`` seconds."""
+    def update(self, k: int, a: int, dt: float, tree: bool = False) -> None:
+        """A round drafted ``k`` tokens (0: a plain step), kept ``a``, took
+        ``dt`` seconds (``tree``: a branching token tree)."""
         if k == 0:
             self.plain.append(dt)
             return
         self.rounds += 1
         self.spec.append((dt, a + 1))
-        self.verify.append((k + 1, dt - k * (self.draft_step or 0.0)))
+        # A tree's forward is timed apart: its surcharge must not make chains look dear.
+        (self.tree_verify if tree else self.verify).append(
+            (k + 1, dt - k * (self.draft_step or 0.0))
+        )
         if self.adaptive:
             # No growth before the verify cost is judged: a wide first window
             # is what costs most where windows are not cheap.
@@ -141,7 +161,8 @@ class Controller:
         if self.draft_step is not None and self.draft_step >= self.DRAFT_COST * plain:
             self._switch_off(for_good=True)
         elif self.verify_cannot_pay():
-            self._switch_off(for_good=True)
+            sure = len([w for w, _ in self.verify if w > 1]) >= self.VERIFY_SURE
+            self._switch_off(for_good=sure)
         elif len(self.plain) >= 2 and len(self.spec) >= self.need:
             spec = sum(t for t, _ in self.spec) / sum(n for _, n in self.spec)
             if spec > plain * self.SLACK:

@@ -44,7 +44,9 @@ one-token prompt). That, with read access to
 Class attributes: ``name`` (shown in stats), ``max_draft`` (upper bound for
 the adaptive draft length), ``needs_hidden``, ``adaptive`` and ``auto_off``
 (the loop's draft-length adaptation and measured switch-off, both on by
-default), and ``batches``: whether the server's batched path may run it,
+default), ``sizes_drafts`` (the loop asks for up to ``max_draft`` tokens
+and the drafter chooses each draft's length, e.g. from its confidence and
+``ctx.verify_cost``), and ``batches``: whether the server's batched path may run it,
 one ``DraftContext`` per row with ``target_cache`` ``None`` and no
 ``hidden`` (a drafter that reads neither, and proposes without ``probs``).
 
@@ -68,6 +70,9 @@ class DraftContext:
     # logprobs -> filtered logprobs (top-p/top-k/min-p), or None
     filter: Optional[Callable] = None
     hidden: Any = None
+    # (a, b): a verify over w tokens costs about a + b * w plain steps, as
+    # measured by the loop (None: not yet, or no loop measures it)
+    verify_cost: Optional[tuple] = None
     # per-request scratch space for the drafter (pending tokens etc.)
     state: dict = field(default_factory=dict)
 
@@ -106,6 +111,7 @@ class Drafter:
     adaptive = True  # let the loop adapt the draft length
     auto_off = True  # let the loop switch drafting off when it measures slower
     batches = False  # the server's batched path may run it (one context per row)
+    sizes_drafts = False  # asked for up to max_draft tokens; sizes each draft itself
 
     def make_cache(self) -> List[Any]:
         return []

@@ -280,11 +280,14 @@ class VerifyLoop:
         if k_req <= 0:
             yield from self.plain(1, t0)
             return
+        if getattr(self.drafter, "sizes_drafts", False):
+            k_req = min(self.ctl.gmax, limit)
+        self.ctx.verify_cost = self.ctl.verify_cost()
         if self.trees is not None:  # a branching tree is verified there
             drafts, q = self.trees.draft(k_req, limit)
             if drafts is None:
                 self.misses = 0
-                yield from self._emit(*self.trees.verify(), t0)
+                yield from self._emit(*self.trees.verify(), t0, tree=True)
                 return
         else:
             drafts, q = self._draft(k_req, t0)
@@ -303,7 +306,9 @@ class VerifyLoop:
             self.ctx.hidden = hidden[a : a + 1]
         yield from self._emit(lp, d[:a] + [target_tok], a, k, t0)
 
-    def _emit(self, lp: mx.array, out: list[int], a: int, k: int, t0: float) -> Iterator[Step]:
+    def _emit(
+        self, lp: mx.array, out: list[int], a: int, k: int, t0: float, tree: bool = False
+    ) -> Iterator[Step]:
         """A verified round: ``k`` drafted, ``a`` kept, ``out`` emitted
         (``lp`` their logprobs rows); figures, controller, drafter, tokens."""
         dt = time.perf_counter() - t0
@@ -313,7 +318,7 @@ class VerifyLoop:
         st.draft_rounds += 1
         st.drafted += k
         st.accepted += a
-        self.ctl.update(k, a, dt)
+        self.ctl.update(k, a, dt, tree)
         st.gamma = self.ctl.gamma
         self.drafter.accept(self.ctx, out, a)
         self.told += len(out)
@@ -405,11 +410,19 @@ class VerifyLoop:
 
         Each token is fed before it is yielded, except the last one, which
         stays pending in ``y`` (as after a verify round). With ``t0``, each
-        step is timed for the controller."""
+        step is timed for the controller.
+
+        As in mlx-lm, the next step's graph is built from the lazy token
+        before this one is read, so Python's graph building overlaps the
+        forward (logits processors need the token itself first)."""
         nxt = self.step(self.y)
         mx.async_eval(nxt[:2])
+        lazy = self.context is None
         for i in range(n):
             tok_arr, lp, hidden = nxt
+            if lazy and i + 1 < n:
+                nxt = self.step(tok_arr)
+                mx.async_eval(nxt[:2])
             tok = tok_arr.item()
             if t0 is not None:
                 now = time.perf_counter()
@@ -419,7 +432,7 @@ class VerifyLoop:
                 self.context.append(tok)
             if hidden is not None:
                 self.ctx.hidden = hidden[-1:]
-            if i + 1 < n:
+            if not lazy and i + 1 < n:
                 nxt = self.step(tok)
                 mx.async_eval(nxt[:2])
             self.st.forwards += 1
@@ -430,9 +443,11 @@ class VerifyLoop:
             self.drafter.accept(self.ctx, [tok], 0)
             yield tok, lp, False
 
-    def step(self, tok: int) -> tuple[mx.array, mx.array, Optional[mx.array]]:
-        """The target's next token (lazy), its logprobs and hidden state after ``tok``."""
-        logits, hidden = self.forward(mx.array([tok], mx.uint32))
+    def step(self, tok: Any) -> tuple[mx.array, mx.array, Optional[mx.array]]:
+        """The target's next token (lazy), its logprobs and hidden state after
+        ``tok`` (an id, or a lazy one-token array)."""
+        x = tok.astype(mx.uint32) if isinstance(tok, mx.array) else mx.array([tok], mx.uint32)
+        logits, hidden = self.forward(x)
         self.quantize()
         lp = _logprobs(logits, self.logits_processors, self.context, None)[0]
         return self.sampler(lp[None]).reshape(-1), lp, hidden

@@ -21,11 +21,10 @@ object per node (hundreds of bytes a token) and cannot forget old text.
   the oldest, so the corpus never holds more than ``cap`` tokens. A request
   goes in when it ends (the loop's ``flush``), never per token.
 
-Scoring: the occurrences that match longest continue the draft token by
-token; each step keeps the continuation most of them agree on, and its share
-multiplies into the draft's score. The draft stops when the score drops
-below ``MIN_SCORE``, or at ``ALPHA`` times the match length (a short match is
-a weak guess): long when the sources agree, nothing when they do not.
+Scoring (``scoring``): the occurrences that match longest continue the
+draft, each token weighted by the share of them that agree; the drafter
+keeps as much of it as its measured acceptance and the verify cost say
+pays (long when the sources agree and have been right, nothing when not).
 """
 
 import hashlib
@@ -36,13 +35,13 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .drafter import DraftContext, Drafter, TokenHistory
+from .scoring import continuations, draft_length, walk
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
 SEP = -(1 << 31)  # between documents in the corpus: never a token id
 CHAIN = 32  # occurrences walked per lookup (the newest)
 MAX_MATCH = 64  # a match is extended backwards at most this far
-FULL_MATCH = 12  # occurrences matching this long all count as evidence
 DEFAULT_CORPUS_TOKENS = 1_000_000
 
 _M64 = (1 << 64) - 1
@@ -61,82 +60,6 @@ def _match_len(at: Callable[[int], int], p: int, ctx: list[int], lo: int) -> int
     while m < limit and at(p - 1 - m) == ctx[n - 1 - m]:
         m += 1
     return m
-
-
-def chain_draft(
-    cands: list[tuple[int, int]],
-    follow: Callable[[int], Optional[int]],
-    n: int,
-    alpha: float,
-    min_score: float,
-    present: Optional[int] = None,
-) -> tuple[list[int], int]:
-    """The draft continuing ``cands`` (``(match length, position)``) and the
-    match length it rests on. ``follow(q)`` is the token at ``q`` or None;
-    with ``present`` (the history's length) a match running into the present
-    repeats what it drafted (LZ77-style: a loop continues)."""
-    if not cands:
-        return [], 0
-    best = max(m for m, _ in cands)
-    floor = min(best, FULL_MATCH)
-    live = [p for m, p in cands if m >= floor]
-    limit = min(n, int(alpha * best))
-    out: list[int] = []
-    score = 1.0
-
-    def at(q):
-        if present is not None and q >= present:
-            return out[q - present] if q - present < len(out) else None
-        return follow(q)
-
-    for j in range(limit):
-        counts: dict[int, int] = {}
-        for p in live:
-            t = at(p + j)
-            if t is not None:
-                counts[t] = counts.get(t, 0) + 1
-        if not counts:
-            break
-        tok, c = max(counts.items(), key=lambda kv: kv[1])
-        score *= c / len(live)
-        if score < min_score:
-            break
-        live = [p for p in live if at(p + j) == tok]
-        out.append(tok)
-    return out, best
-
-
-def continuations(
-    cands: list[tuple[int, int]],
-    follow: Callable[[int], Optional[int]],
-    n: int,
-    alpha: float,
-    present: Optional[int] = None,
-) -> list[tuple[list[int], float]]:
-    """What followed each of the longest-matching occurrences (as
-    ``chain_draft`` keeps them), up to ``n`` tokens and ``alpha`` times the
-    match length, each with weight 1: a token tree's paths."""
-    if not cands:
-        return []
-    best = max(m for m, _ in cands)
-    limit = min(n, int(alpha * best))
-    out = []
-    for m, p in cands:
-        if m < min(best, FULL_MATCH):
-            continue
-        path: list[int] = []
-        for j in range(limit):
-            q = p + j
-            if present is not None and q >= present:
-                t = path[q - present] if q - present < len(path) else None
-            else:
-                t = follow(q)
-            if t is None:
-                break
-            path.append(t)
-        if path:
-            out.append((path, 1.0))
-    return out
 
 
 # ------------------------------------------------------------ the request
@@ -370,6 +293,11 @@ def corpus_for(model: Any, tok_key: Any, cap: int) -> SuffixCorpus:
     return corpus
 
 
+def _bucket(m: int) -> int:
+    """Match lengths that share a rate: 1..7 each, then 8-15, 16-31, 32+."""
+    return m if m < 8 else min(32, 8 << ((m // 8).bit_length() - 1))
+
+
 # ------------------------------------------------------------ the drafter
 
 
@@ -377,19 +305,31 @@ class SuffixDrafter(Drafter):
     """Suffix drafting over this request, then this process's past requests.
 
     The request's own text is searched first (the most specific source); the
-    corpus only when the request proposes nothing. As the n-gram drafter
-    does, it keeps a decaying hit rate of its first guess per source and
-    match length, and stays silent where that is under ``MIN_HIT`` (the
-    guess is still checked, so a source that starts to fit is heard again).
+    corpus only when the request proposes nothing. Each draft is sized by
+    its expected worth: per source and match length (``bucket``) a decayed
+    rate of drafted tokens kept (a prior that grows with the match length
+    until measured), times each token's share among the occurrences, against
+    the loop's measured verify cost. Long where the match is long and has
+    been right, nothing where no length beats a plain step (the guess is
+    still checked, so a source that starts to fit is heard again).
     """
 
     name = "suffix"
     batches = True  # per-row state only: the server batches it
+    sizes_drafts = True
     ALPHA = 2.0  # draft at most this many times the match length
     MIN_SCORE = 0.3  # stop when the continuation's share falls under this
     DECAY = 0.8
-    MIN_TRIES = 3.0
-    MIN_HIT = 0.34
+    PRIOR = 2.0  # the prior's weight, in drafted tokens
+    # A verify over w tokens costs a + b * w plain steps: this until the
+    # loop has measured it (the CPU's float32 measures about (0.94, 0.065)),
+    # and b is taken at most B_MAX: a measurement taken while other work
+    # slowed a verify must not silence the drafter for good (no draft, no
+    # new measurement). Where verifies are truly dear, the loop's own
+    # switch turns drafting off.
+    COST = (0.9, 0.1)
+    B_MAX = 0.25
+    GAIN = 1.05  # a draft must promise this many tokens per plain step
 
     def __init__(
         self,
@@ -431,9 +371,13 @@ class SuffixDrafter(Drafter):
         ctx.state["corpus"] = self.corpus_of(ctx.model)
         cache.extend(tokens)
 
-    def _silent(self, ctx, bucket):
-        tries, hits = ctx.state.setdefault("hits", {}).get(bucket, (0.0, 0.0))
-        return tries >= self.MIN_TRIES and hits < self.MIN_HIT * tries
+    def _length(self, ctx, m, bucket, shares):
+        """Tokens worth verifying of a draft resting on a match of ``m``."""
+        acc, rej = ctx.state.setdefault("rates", {}).get(bucket, (0.0, 0.0))
+        prior = m / (m + 1.5)
+        p = (acc + self.PRIOR * prior) / (acc + rej + self.PRIOR)
+        a, b = ctx.verify_cost or self.COST
+        return draft_length(p, shares, (min(a, 1.0), min(b, self.B_MAX)), self.GAIN)
 
     def _sources(self, ctx):
         cache = ctx.cache[0]
@@ -442,42 +386,44 @@ class SuffixDrafter(Drafter):
         corpus = corpus if corpus is not None else self.corpus_of(ctx.model)
         yield "corpus", corpus.candidates(cache.tokens), corpus.follow, None
 
-    def draft(self, ctx: DraftContext, n: int) -> tuple[list[int], None]:
-        guesses = ctx.state["guesses"] = []
+    def _guess(self, ctx, n):
+        """Per source: its bucket, its draft (for ``accept`` to check) and
+        how much of it is worth verifying."""
         for source, cands, follow, present in self._sources(ctx):
-            tokens, m = chain_draft(cands, follow, n, self.ALPHA, self.MIN_SCORE, present)
-            if not tokens:
-                continue
-            bucket = (source, min(m, 8))
-            guesses.append((bucket, tokens[0]))
-            if not self._silent(ctx, bucket):
-                return tokens, None
-        return [], None  # nothing, or only silent guesses (checked in accept)
+            tokens, shares, m = walk(cands, follow, n, self.ALPHA, self.MIN_SCORE, present)
+            if tokens:
+                bucket = (source, _bucket(m))
+                ctx.state["guesses"].append((bucket, tokens))
+                yield cands, follow, present, tokens, self._length(ctx, m, bucket, shares)
+
+    def draft(self, ctx: DraftContext, n: int) -> tuple[list[int], None]:
+        ctx.state["guesses"] = []
+        for *_, tokens, g in self._guess(ctx, n):
+            if g:
+                return tokens[:g], None
+        return [], None  # nothing, or nothing worth a verify (checked in accept)
 
     def draft_tree(self, ctx: DraftContext, n: int) -> list[tuple[list[int], float]]:
-        """Every continuation of the longest matches of both sources that
-        are heard (the loop merges them into a tree, weighted by frequency)."""
-        guesses = ctx.state["guesses"] = []
+        """Every continuation of the longest matches of both sources, each
+        as deep as its source's draft is worth (the loop merges them into a
+        tree, weighted by frequency)."""
+        ctx.state["guesses"] = []
         paths: list[tuple[list[int], float]] = []
-        for source, cands, follow, present in self._sources(ctx):
-            found = continuations(cands, follow, n, self.ALPHA, present)
-            if not found:
-                continue
-            firsts: dict[int, int] = {}
-            for path, _ in found:
-                firsts[path[0]] = firsts.get(path[0], 0) + 1
-            m = max(m for m, _ in cands)
-            bucket = (source, min(m, 8))
-            guesses.append((bucket, max(firsts, key=firsts.get)))
-            if not self._silent(ctx, bucket):
-                paths += found
+        for cands, follow, present, _, g in self._guess(ctx, n):
+            if g:
+                paths += continuations(cands, follow, g, self.ALPHA, present)
         return paths
 
     def accept(self, ctx: DraftContext, tokens: list[int], n_drafted: int) -> None:
-        hits = ctx.state.setdefault("hits", {})
-        for bucket, first in ctx.state.pop("guesses", ()):
-            tries, right = hits.get(bucket, (0.0, 0.0))
-            hits[bucket] = (self.DECAY * tries + 1, self.DECAY * right + (tokens[0] == first))
+        # Each source's guess against what the target emitted: tokens kept
+        # until the first that differs (a rejection, if within what was seen).
+        rates = ctx.state.setdefault("rates", {})
+        for bucket, guess in ctx.state.pop("guesses", ()):
+            seen = min(len(guess), len(tokens))
+            kept = next((i for i in range(seen) if guess[i] != tokens[i]), seen)
+            acc, rej = rates.get(bucket, (0.0, 0.0))
+            d = self.DECAY
+            rates[bucket] = (d * acc + kept, d * rej + (kept < seen))
         ctx.cache[0].extend(tokens)
 
     def trim(self, ctx: DraftContext, n: int) -> None:

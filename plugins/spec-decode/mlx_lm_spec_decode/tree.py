@@ -128,6 +128,29 @@ def select(
     return sorted(keep)
 
 
+def best_chain(
+    parents: list[int], probs: list[float], limit: int, cost: Optional[tuple[float, float]]
+) -> list[int]:
+    """What ``select`` keeps of the most likely path alone: the chain to
+    verify instead of a tree that does not pay."""
+    path = set(select(parents, probs, len(parents), None))
+    return select(parents, [p if i in path else 0.0 for i, p in enumerate(probs)], limit, cost)
+
+
+def tree_pays(
+    probs: list[float], tree: list[int], chain: list[int], cost: tuple[float, float], extra: float
+) -> bool:
+    """Whether ``tree`` (node indices, the root included) yields more tokens
+    per plain step than ``chain`` when a tree's verify costs ``extra`` plain
+    steps more than a chain of its width (``Controller.tree_surcharge``)."""
+    a, b = cost
+
+    def rate(nodes, more):
+        return (1.0 + sum(probs[i] for i in nodes if i)) / (a + b * len(nodes) + more)
+
+    return rate(tree, extra) > rate(chain, 0.0)
+
+
 def subtree(tokens: list[int], parents: list[int], keep: list[int]) -> tuple[list[int], list[int]]:
     """The kept nodes renumbered (``keep`` sorted, closed under parents)."""
     where = {old: new for new, old in enumerate(keep)}

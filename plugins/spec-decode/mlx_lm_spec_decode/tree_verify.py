@@ -189,7 +189,13 @@ class TreeRounds:
         tokens, parents, shares = tree_mod.trie(paths)
         rate = self.rate
         probs = [s * rate**d for s, d in zip(shares, tree_mod.depths(parents), strict=True)]
-        keep = tree_mod.select(parents, probs, k_req if cost is None else depth, cost)
+        width = k_req if cost is None else depth
+        keep = tree_mod.select(parents, probs, width, cost)
+        if cost is not None and not tree_mod.is_chain(tree_mod.subtree(tokens, parents, keep)[1]):
+            # A branching tree only where it beats the chain at its measured price.
+            chain = tree_mod.best_chain(parents, probs, width, cost)
+            if not tree_mod.tree_pays(probs, keep, chain, cost, loop.ctl.tree_surcharge()):
+                keep = chain
         tokens, parents = tree_mod.subtree(tokens, parents, keep)
         if tree_mod.is_chain(parents):
             return mx.array(tokens[1:], mx.uint32), None

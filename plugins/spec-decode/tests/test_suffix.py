@@ -17,6 +17,7 @@ from mlx_lm_spec_decode import (
     SuffixCorpus,
     SuffixDrafter,
     last_stats,
+    scoring,
     speculative_generate_step,
 )
 from mlx_lm_spec_decode import suffix as sx
@@ -84,21 +85,23 @@ def test_scoring_follows_the_most_frequent_continuation():
     for tail in ([7, 8, 9], [7, 8, 9], [7, 8, 9], [5, 6]):
         corpus.add([1, 2, 3, 4] + tail)
     cands = corpus.candidates([0, 1, 2, 3, 4])
-    toks, m = sx.chain_draft(cands, corpus.follow, 8, alpha=2.0, min_score=0.3)
+    toks, m = scoring.chain_draft(cands, corpus.follow, 8, alpha=2.0, min_score=0.3)
     assert toks == [7, 8, 9] and m == 4  # 3 of 4 agree: score 0.75
     # An even split of four ways is not confident: nothing.
     split = SuffixCorpus(cap=1000, k=2)
     for t in (5, 6, 7, 8):
         split.add([1, 2, 3, 4, t])
-    toks, _ = sx.chain_draft(split.candidates([1, 2, 3, 4]), split.follow, 8, 2.0, 0.3)
+    toks, _ = scoring.chain_draft(split.candidates([1, 2, 3, 4]), split.follow, 8, 2.0, 0.3)
     assert toks == []
 
 
 def test_draft_length_grows_with_the_match():
     corpus = SuffixCorpus(cap=1000, k=2)
     corpus.add(list(range(100, 140)))
-    short = sx.chain_draft(corpus.candidates([0, 110, 111]), corpus.follow, 16, 2.0, 0.3)
-    long = sx.chain_draft(corpus.candidates(list(range(100, 112))), corpus.follow, 16, 2.0, 0.3)
+    short = scoring.chain_draft(corpus.candidates([0, 110, 111]), corpus.follow, 16, 2.0, 0.3)
+    long = scoring.chain_draft(
+        corpus.candidates(list(range(100, 112))), corpus.follow, 16, 2.0, 0.3
+    )
     assert short == ([112, 113, 114, 115], 2)
     assert long == (list(range(112, 128)), 12)
 
@@ -145,10 +148,11 @@ def test_request_text_wins_over_the_corpus():
     corpus = SuffixCorpus(cap=1000)
     corpus.add([1, 2, 3, 4, 50, 51, 52])
     d = SuffixDrafter(corpus=corpus)
-    ctx = DraftContext(None, [], d.make_cache())
+    cheap = (0.95, 0.05)  # a measured verify cost where wide drafts are cheap
+    ctx = DraftContext(None, [], d.make_cache(), verify_cost=cheap)
     d.prefill(ctx, [1, 2, 3, 4, 60, 61, 62, 9, 1, 2, 3, 4])
     assert d.draft(ctx, 3) == ([60, 61, 62], None)
-    ctx2 = DraftContext(None, [], d.make_cache())
+    ctx2 = DraftContext(None, [], d.make_cache(), verify_cost=cheap)
     d.prefill(ctx2, [9, 9, 1, 2, 3, 4])
     assert d.draft(ctx2, 3) == ([50, 51, 52], None)
     # The end of the request: only its new part goes into the corpus, once.
@@ -157,6 +161,35 @@ def test_request_text_wins_over_the_corpus():
     d.flush(ctx2)
     d.flush(ctx2)
     assert len(corpus) == before + 1 + 8
+
+
+def test_draft_length_follows_confidence_and_verify_cost():
+    shares = [1.0] * 16
+    cheap, dear = (0.94, 0.065), (0.0, 1.0)  # a CPU's float32; verify costs w steps
+    assert scoring.draft_length(0.95, shares, cheap, 1.05) == 16
+    assert 0 < scoring.draft_length(0.6, shares, cheap, 1.05) < 8
+    assert scoring.draft_length(0.1, shares, cheap, 1.05) == 0  # no evidence: nothing
+    assert scoring.draft_length(0.95, shares, dear, 1.05) == 0
+    # A split among the occurrences lowers the odds of what follows it.
+    split = scoring.draft_length(0.6, [1.0, 0.3, 1.0, 1.0], cheap, 1.05)
+    assert split < scoring.draft_length(0.6, [1.0] * 4, cheap, 1.05) == 4
+
+
+def test_a_bucket_that_keeps_missing_goes_silent_and_is_still_checked():
+    d = SuffixDrafter(corpus=SuffixCorpus(cap=1000))
+    ctx = DraftContext(None, [], d.make_cache(), verify_cost=(0.94, 0.065))
+    d.prefill(ctx, [5, 6, 7, 1, 2, 8, 9])
+    misses = 0
+    for t in range(100, 120):  # "1 2" keeps following something new
+        d.accept(ctx, [1, 2], 0)
+        if d.draft(ctx, 8)[0]:
+            d.accept(ctx, [t], 0)
+        else:
+            misses += 1
+            d.accept(ctx, [t], 0)
+    assert misses > 10
+    rate = ctx.state["rates"][("request", 2)]
+    assert rate[1] > rate[0]  # the silent guesses were checked: rejections counted
 
 
 def greedy(model, prompt, n):

@@ -71,6 +71,29 @@ def test_trie_merges_shared_prefixes_and_select_follows_the_cost():
     assert tree_mod.subtree(tokens, parents, [0, 1, 3]) == ([-1, 5, 8], [-1, 0, 1])
 
 
+def test_a_tree_must_beat_the_chain_at_its_measured_price():
+    tokens, parents, shares = tree_mod.trie([([5, 6], 1.0), ([5, 8], 1.0), ([9], 1.0)])
+    cost = (0.95, 0.05)
+    tree = tree_mod.select(parents, shares, 15, cost)
+    chain = tree_mod.best_chain(parents, shares, 15, cost)
+    assert not tree_mod.is_chain(tree_mod.subtree(tokens, parents, tree)[1])
+    assert tree_mod.is_chain(tree_mod.subtree(tokens, parents, chain)[1]) and chain[:2] == [0, 1]
+    assert tree_mod.tree_pays(shares, tree, chain, cost, 0.0)  # a tree costs a chain's price
+    assert not tree_mod.tree_pays(shares, tree, chain, cost, 1.0)  # a GPU's unfused path
+
+
+def test_tree_surcharge_is_timed_apart_from_chains():
+    ctl = Controller(3, 16)
+    for dt in (1.0, 1.0):
+        ctl.update(0, 0, dt)
+    for w in (4, 8):
+        ctl.update(w - 1, 1, 1.0 + 0.05 * (w - 1))
+    assert ctl.tree_surcharge() == 0.0  # no tree timed yet
+    ctl.update(5, 2, 2.5, tree=True)  # a six-wide tree at 2.5 steps
+    a, b = ctl.verify_cost()
+    assert b == pytest.approx(0.05) and ctl.tree_surcharge() == pytest.approx(2.5 - a - 6 * b)
+
+
 # ------------------------------------------------------ the tree forward
 
 
