@@ -12,8 +12,11 @@ and each concurrency C, C different requests are sent at once to one
 server, then to the other, ``--repeats`` times, interleaved; the best run of
 each is kept. Columns: aggregate tok/s (completion tokens over the wall time
 from the first request sent to the last answer), mean per-request latency,
-the ratio of ours to stock, the acceptance of drafted tokens, and ``same``
-(every greedy text identical to stock's).
+the ratio of ours to stock, decode tok/s and its ratio (tokens after each
+request's first, over the time from the first first token to the last
+answer: prompt processing, which drafting does not change, left out), the
+acceptance of drafted tokens, and ``same`` (every greedy text identical to
+stock's). Requests stream, so each one's first token is timed.
 
 ``--dtype`` casts the float32 SmolLM2 folder's weights into a folder of its
 own; ``--device`` is MLX's default device inside both servers.
@@ -132,14 +135,28 @@ def ask(port, prompt, max_tokens):
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens,
             "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
     ).encode()
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"}
     )
     t0 = time.perf_counter()
-    r = json.loads(urllib.request.urlopen(req, timeout=1800).read())
-    return r, time.perf_counter() - t0
+    first, text, usage = None, [], None
+    with urllib.request.urlopen(req, timeout=1800) as resp:
+        for line in resp:
+            line = line.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    first = first or time.perf_counter()
+                    text.append(choice["delta"]["content"])
+    end = time.perf_counter()
+    return {"usage": usage, "text": "".join(text), "first": first or end, "end": end}, end - t0
 
 
 def burst(port, prompts, max_tokens):
@@ -148,13 +165,15 @@ def burst(port, prompts, max_tokens):
         res = list(ex.map(lambda p: ask(port, p, max_tokens), prompts))
     wall = time.perf_counter() - t0
     tokens = sum(r["usage"]["completion_tokens"] for r, _ in res)
+    decode_wall = max(r["end"] for r, _ in res) - min(r["first"] for r, _ in res)
     spec = [r["usage"].get("speculative_decoding") for r, _ in res]
     drafted = sum(s["drafted"] for s in spec if s)
     accepted = sum(s["accepted"] for s in spec if s)
     return {
         "tps": tokens / wall,
+        "decode": (tokens - len(res)) / decode_wall if decode_wall > 0 else 0.0,
         "latency": sum(t for _, t in res) / len(res),
-        "texts": [r["choices"][0]["message"]["content"] for r, _ in res],
+        "texts": [r["text"] for r, _ in res],
         "accept": accepted / drafted if drafted else 0.0,
         "drafted": drafted,
     }
@@ -203,6 +222,7 @@ def main():
                 row = (
                     f"| {kind} | {c} | {s['tps']:.2f} | {o['tps']:.2f} | "
                     f"{o['tps'] / s['tps']:.2f}x | {s['latency']:.2f} | {o['latency']:.2f} | "
+                    f"{s['decode']:.2f} | {o['decode']:.2f} | {o['decode'] / s['decode']:.2f}x | "
                     f"{100 * o['accept']:.0f}% | {'yes' if s['texts'] == o['texts'] else 'no'} |"
                 )
                 print(row, flush=True)
@@ -214,9 +234,10 @@ def main():
     print()
     print(
         "| prompts | concurrency | stock tok/s | ours tok/s | ratio | "
-        "stock latency s | ours latency s | accept | same |"
+        "stock latency s | ours latency s | stock decode tok/s | ours decode tok/s | "
+        "decode ratio | accept | same |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

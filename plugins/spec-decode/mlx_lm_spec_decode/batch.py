@@ -21,8 +21,11 @@ own plain step (every row one token, pipelined) or a drafting round:
 The state between calls is mlx-lm's own (``_next_tokens``: each row's
 pending token, ``tokens``: what its cache holds), so plain steps and
 drafting rounds interleave freely. ``batch_verify.BatchController`` picks γ
-per batch size from measured step and round times; when no row has anything
-to propose, plain steps run in pipelined runs (as the serial loop does).
+per batch size from measured step and round times; when it picks 0 the rows'
+proposals are scored against what the plain steps emit (``Row.check``), so
+each row's acceptance is known without a round. When no row has anything
+to propose, plain steps run in pipelined runs (as the serial loop does); a
+plain step is mlx-lm's own with no Python work per row.
 
 A drafter that raises stops drafting for its row only; a batch whose caches
 cannot roll rows back apart (a sliding-window layer) decodes plainly, with
@@ -58,8 +61,10 @@ class Row:
         )
         self.stats = st
         self.told = 0  # tokens of the row's history the drafter holds
+        self.steps = 0  # the batch's plain-step count its figures include
         self.failed: Optional[str] = None
         self.hits, self.tries = 1.0, 2.0  # decayed per-draft-token acceptance (prior 1/2)
+        self.guess: Optional[tuple] = None  # (history index, drafts) not verified: γ was 0
 
     @property
     def alpha(self) -> float:
@@ -69,6 +74,18 @@ class Row:
         # Geometric acceptance: a successes, one failure unless all were kept.
         self.hits = 0.8 * self.hits + a
         self.tries = 0.8 * self.tries + a + (1 if a < k else 0)
+
+    def check(self, history: List[int]) -> None:
+        """Score drafts no round verified against the tokens emitted since, so
+        the acceptance the cost model weighs is learnt while γ is 0 too."""
+        start, drafts = self.guess
+        self.guess = None
+        seen = history[start : start + len(drafts)]
+        a = 0
+        while a < len(seen) and seen[a] == drafts[a]:
+            a += 1
+        if seen:
+            self.observe(len(drafts) if a < len(seen) else a, a)
 
 
 class SpecState:
@@ -108,13 +125,16 @@ class SpecGenerationBatch(GenerationBatch):
         self.rows: List[Row] = []
         self.plain_left = 0  # plain steps to run before the next drafting decision
         self.misses = 0
-        self.last_plain_b = 0  # batch size of the previous call, if it was a plain step
+        self.last_plain_b = 0  # batch size of the previous call, if it was a pipelined plain step
+        self.steps = 0  # plain steps run (each row's figures catch up when it leaves)
         super().__init__(*args, **kwargs)
 
     # ----------------------------------------------------- rows join and leave
 
     def extend(self, batch: GenerationBatch) -> None:
         rows = [self.spec.row(u, s) for u, s in zip(batch.uids, batch.samplers, strict=True)]
+        for row in rows:
+            row.steps = self.steps
         super().extend(batch)
         self.rows.extend(rows)
         self.last_plain_b = 0
@@ -130,6 +150,9 @@ class SpecGenerationBatch(GenerationBatch):
 
     def _close(self, i: int, row: Row) -> None:
         """The row leaves: its drafter holds exactly its tokens, then flushes."""
+        # Each plain step was one forward and one token for every row in it.
+        row.stats.forwards += self.steps - row.steps
+        row.stats.emitted += self.steps - row.steps
         if row.told and not row.failed:
             self._guard(row, self._sync, row, self.tokens[i])
             self._guard(row, self.spec.drafter.flush, row.ctx)
@@ -166,7 +189,10 @@ class SpecGenerationBatch(GenerationBatch):
         gmax = self.spec.ctl.gmax
         for i, row in enumerate(self.rows):
             room = min(gmax, self.max_tokens[i] - self._num_tokens[i] - 1)
-            self._guard(row, self._sync, row, self.tokens[i] + [pending[i]])
+            history = self.tokens[i] + [pending[i]]
+            if row.guess:
+                row.check(history)
+            self._guard(row, self._sync, row, history)
             drafts = self._guard(row, self.spec.drafter.draft, row.ctx, room) if room > 0 else None
             out.append([int(t) for t in drafts[0]][:room] if drafts else [])
         return out
@@ -181,6 +207,9 @@ class SpecGenerationBatch(GenerationBatch):
             if spec is not None and self.plain_left == 0 and spec.ctl.needs_plain(B):
                 self.plain_left = BatchController.PROBE
             return self._plain()
+        # From here on the pending tokens are read (a sync): a plain step this
+        # call does not overlap the previous one's forward, so it is not timed.
+        self.last_plain_b = 0
         caches = ragged(self.prompt_cache)
         if caches is None:
             kinds = ", ".join(sorted({type(c).__name__ for c in self.prompt_cache}))
@@ -202,22 +231,25 @@ class SpecGenerationBatch(GenerationBatch):
         self.misses = 0
         gamma = spec.ctl.choose(B, lengths, [r.alpha for r in self.rows])
         if gamma == 0:
+            for i, row in enumerate(self.rows):
+                if drafts[i]:
+                    row.guess = (len(self.tokens[i]) + 1, drafts[i])
             self.plain_left = COST_RUN
             return self._plain()
         self.prompt_cache = caches
         return self._round(pending, [d[:gamma] for d in drafts], t0)
 
     def _plain(self) -> List[GenerationBatch.Response]:
-        """mlx-lm's own step (each row feeds its pending token, one emitted)."""
+        """mlx-lm's own step (each row feeds its pending token, one emitted),
+        with no Python work per row: rows count plain steps when they leave."""
         self.plain_left = max(0, self.plain_left - 1)
         B = len(self.uids)
-        for row in self.rows:  # before the step: finished rows log on filter
-            row.stats.forwards += 1
-            row.stats.emitted += 1
+        self.steps += 1  # before the step: finished rows settle on filter
         t0 = time.perf_counter()
         out = super().next()
         if self.spec is not None and self.last_plain_b == B:
-            # Pipelined: this call waited for the previous step's forward.
+            # Pipelined: this call waited for the previous step's forward
+            # (on a GPU the forward it starts runs on after it returns).
             self.spec.ctl.plain_step(B, time.perf_counter() - t0)
         self.last_plain_b = len(self.uids) if len(self.uids) == B else 0
         return out

@@ -68,6 +68,8 @@ def verify(
     B = logits.shape[0]
     plain = not any(processors)
     lp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if plain else None
+    if plain and all(r.kind == "greedy" for r in rules):
+        return _greedy(lp_all, drafts)
     lps, pending = [], []
     for i in range(B):
         k = len(drafts[i])
@@ -105,6 +107,20 @@ def verify(
     return lps, accepted, targets
 
 
+def _greedy(lp: mx.array, drafts: List[List[int]]) -> Tuple[List[mx.array], List[int], List[int]]:
+    """``verify`` for a batch of greedy rows without processors: one argmax."""
+    best = mx.argmax(lp, axis=-1)
+    mx.eval(lp, best)
+    accepted, targets = [], []
+    for d, t in zip(drafts, best.tolist(), strict=True):
+        a = 0
+        while a < len(d) and t[a] == d[a]:
+            a += 1
+        accepted.append(a)
+        targets.append(t[a])
+    return [lp[i, : len(d) + 1] for i, d in enumerate(drafts)], accepted, targets
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a round yields for a row with ``k`` drafts, each right with
     probability ``alpha`` given the ones before it were (the row's own next
@@ -113,13 +129,20 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class BatchController:
-    """γ per round from timings per batch size: plain steps against verify rounds."""
+    """γ per round from timings per batch size: plain steps against verify rounds.
+
+    A batch size not measured yet borrows the nearest measured one's costs
+    (rows join and leave all the time: probing and exploring each size anew
+    would spend plain steps and wasted rounds on every change); it times its
+    own plain steps once it has run ``OWN`` rounds on borrowed figures.
+    """
 
     SAMPLES = 8  # recent timings kept per batch size (the fastest are the truest)
     PROBE = 3  # plain steps in a row that time one (the first of a run is not timed)
-    EXPLORE = 2  # verify rounds timed per batch size before the cost model decides
+    EXPLORE = 2  # verify rounds timed before the cost model decides
     SLACK = 1.05  # drafting must promise this much more throughput than plain steps
     REPROBE = 48  # verify rounds at one batch size between plain re-measurements
+    OWN = 8  # verify rounds at a batch size on a neighbour's plain cost before its own
 
     def __init__(self, gamma: int, gmax: int, adaptive: bool = True, auto_off: bool = True):
         self.gmax = max(1, gmax)
@@ -133,7 +156,10 @@ class BatchController:
         """Whether plain steps at this batch size must be timed before deciding."""
         if not self.auto_off:
             return False
-        return len(self.plain.get(B, ())) < 2 or self.rounds.get(B, 0) >= self.REPROBE
+        rounds = self.rounds.get(B, 0)
+        if len(self.plain.get(B, ())) < 2:
+            return self._near(self.plain, B, 2) is None or rounds >= self.OWN
+        return rounds >= self.REPROBE
 
     def plain_step(self, B: int, seconds: float) -> None:
         q = self.plain.setdefault(B, deque(maxlen=self.SAMPLES))
@@ -146,14 +172,25 @@ class BatchController:
         self.verify.setdefault(B, deque(maxlen=self.SAMPLES)).append((width, seconds))
         self.rounds[B] = self.rounds.get(B, 0) + 1
 
+    @staticmethod
+    def _near(table: Dict[int, deque], B: int, need: int) -> Optional[int]:
+        """``B`` if it has ``need`` samples, else the nearest batch size that
+        has (the larger on a tie), else ``None``."""
+        have = [k for k, q in table.items() if len(q) >= need]
+        if not have:
+            return None
+        return B if B in have else min(have, key=lambda k: (abs(k - B), -k))
+
     def cost(self, B: int) -> Optional[Tuple[float, float]]:
         """``(p, b)``: seconds of a plain step and of each extra window column."""
-        plain, ver = self.plain.get(B), [s for s in self.verify.get(B, ()) if s[0] > 1]
-        if not plain or len(ver) < self.EXPLORE:
+        bp, bv = self._near(self.plain, B, 1), self._near(self.verify, B, self.EXPLORE)
+        if bp is None or bv is None:
             return None
-        p = min(plain)
-        b = max(0.0, min((t - p) / (w - 1) for w, t in ver))
-        return p, b
+        p = min(self.plain[bp])
+        pv = min(self.plain[self._near(self.plain, bv, 1)])
+        b = max(0.0, min((t - pv) / (w - 1) for w, t in self.verify[bv]))
+        # Measured on fewer rows, a column costs at most proportionally more.
+        return p, b * max(1.0, B / bv)
 
     def choose(self, B: int, proposed: List[int], alphas: List[float]) -> int:
         """Draft length for this round (0: a plain batched step)."""

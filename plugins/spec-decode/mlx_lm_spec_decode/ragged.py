@@ -28,7 +28,7 @@ COMPACT_HOLES = 64
 
 
 class RaggedKVCache(BatchKVCache):
-    """``BatchKVCache`` plus ``holes`` (``[B, _idx]`` bool, True: masked out)."""
+    """``BatchKVCache`` plus ``holes`` (``[B, >= _idx]`` bool, True: masked out)."""
 
     holes: Optional[mx.array] = None
 
@@ -42,30 +42,28 @@ class RaggedKVCache(BatchKVCache):
         out.holes = None
         return out
 
-    def _fit_holes(self) -> None:
-        if self.holes is not None and self.holes.shape[1] != self._idx:
-            h = self.holes[:, : self._idx]
-            if h.shape[1] < self._idx:
-                pad = mx.zeros((h.shape[0], self._idx - h.shape[1]), mx.bool_)
-                h = mx.concatenate([h, pad], axis=1)
+    def _holes(self, n: int) -> mx.array:
+        """``holes`` over the first ``n`` slots. The array may be wider than
+        ``_idx``: slots past ``_idx`` are never holes, so a plain step reads a
+        slice and only every ``step`` slots pays a concatenate."""
+        h = self.holes
+        if h.shape[1] < n:
+            grow = max(n - h.shape[1], self.step)
+            h = mx.concatenate([h, mx.zeros((h.shape[0], grow), mx.bool_)], axis=1)
             self.holes = h
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
-        out = super().update_and_fetch(keys, values)
-        self._fit_holes()
-        return out
+        return h[:, :n]
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         mask = super().make_mask(N, return_array=return_array, **kwargs)
         if self.holes is None:
             return mask
-        keep = ~self.holes[:, : self._idx]
-        keep = mx.concatenate([keep, mx.ones((keep.shape[0], N), mx.bool_)], axis=1)
-        return mask & keep[:, None, None, :]
+        return mask & ~self._holes(self._idx + N)[:, None, None, :]
 
     def trim(self, n: int) -> int:
         n = super().trim(n)
-        self._fit_holes()
+        if self.holes is not None and n:
+            # Trimmed slots are free again: they must not stay holes.
+            self.holes = self.holes & (mx.arange(self.holes.shape[1]) < self._idx)
         return n
 
     def rollback(self, drop: List[int]) -> None:
@@ -79,17 +77,19 @@ class RaggedKVCache(BatchKVCache):
         rest_arr = mx.array(rest)
         self.offset = self.offset - rest_arr
         new = mx.arange(self._idx)[None] >= (self._idx - rest_arr)[:, None]
-        self.holes = new if self.holes is None else (self.holes | new)
+        self.holes = new if self.holes is None else (self._holes(self._idx) | new)
 
     def hole_count(self) -> int:
-        return 0 if self.holes is None else int(self.holes.sum(axis=1).max().item())
+        if self.holes is None:
+            return 0
+        return int(self._holes(self._idx).sum(axis=1).max().item())
 
     def compact(self) -> None:
         """Squeeze the holes out: one gather of the kept entries, left-padded again."""
         if self.holes is None or self.keys is None:
             self.holes = None
             return
-        holes = np.array(self.holes[:, : self._idx])
+        holes = np.array(self._holes(self._idx))
         left = self.left_padding.tolist()
         rows = [np.flatnonzero(~holes[i, left[i] :]) + left[i] for i in range(len(left))]
         length = max(len(r) for r in rows)
@@ -105,10 +105,9 @@ class RaggedKVCache(BatchKVCache):
         self.holes = None
 
     def filter(self, batch_indices: List[int]) -> None:
-        holes = None
-        if self.holes is not None:
-            holes = self.holes[mx.array(batch_indices, mx.int32)] if batch_indices else None
-        before = self._idx
+        holes, before = None, self._idx
+        if self.holes is not None and batch_indices:
+            holes = self._holes(before)[mx.array(batch_indices, mx.int32)]
         super().filter(batch_indices)
         if holes is not None:
             holes = holes[:, before - self._idx :]
@@ -117,7 +116,8 @@ class RaggedKVCache(BatchKVCache):
             self.holes = None
 
     def extend(self, other: Any) -> None:
-        mine, theirs = self.holes, getattr(other, "holes", None)
+        mine = None if self.holes is None else self._holes(self._idx)
+        theirs = other._holes(other._idx) if getattr(other, "holes", None) is not None else None
         n_self, n_other = self.offset.shape[0], other.offset.shape[0]
         idx_self, idx_other = self._idx, other._idx
         super().extend(other)
@@ -139,7 +139,7 @@ class RaggedKVCache(BatchKVCache):
         if self.holes is None:
             return super().extract(idx)
         pad = self.left_padding.tolist()[idx]
-        keep = np.flatnonzero(~np.array(self.holes[idx, pad : self._idx])) + pad
+        keep = np.flatnonzero(~np.array(self._holes(self._idx)[idx, pad:])) + pad
         sel = mx.array(keep.astype(np.int32))
         cache = KVCache()
         cache.keys = mx.contiguous(mx.take(self.keys[idx : idx + 1], sel, axis=2))

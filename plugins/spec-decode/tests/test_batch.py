@@ -196,3 +196,49 @@ def test_sampled_rows_match_the_target_distribution(llama):
                 want[t2] += q1 * q2
         stat, df = chi2(seconds[row], dict(want), N)
         assert stat < chi2_critical(df), (row, stat, df)
+
+
+def test_controller_picks_the_faster_option_and_borrows_a_neighbours_costs():
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    ctl = BatchController(3, 8)
+    assert ctl.needs_plain(4)  # nothing timed yet
+    ctl.plain_step(4, 0.10)
+    ctl.plain_step(4, 0.12)
+    assert not ctl.needs_plain(4)
+    assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) == 3  # explores before it knows
+    ctl.verify_round(4, 4, 0.40)
+    ctl.verify_round(4, 4, 0.30)  # the fastest counts: a column costs 1/15 s
+    assert ctl.cost(4) == pytest.approx((0.10, 0.2 / 3))
+    # Right 9 times in 10 drafting pays; 3 in 10 it does not.
+    assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) > 0
+    assert ctl.choose(4, [3, 3, 3, 3], [0.3] * 4) == 0
+    assert ctl.choose(4, [3, 0, 0, 0], [0.9] * 4) == 0  # one row's drafts cannot pay for four
+    # A batch size seen for the first time decides at once from its neighbour's
+    # costs (a column scaled up for more rows), then times its own plain steps.
+    assert not ctl.needs_plain(6)
+    assert ctl.cost(6) == pytest.approx((0.10, 0.1))
+    for _ in range(BatchController.OWN):
+        ctl.verify_round(6, 2, 0.2)
+    assert ctl.needs_plain(6)
+    ctl.plain_step(6, 0.2)
+    ctl.plain_step(6, 0.2)
+    assert not ctl.needs_plain(6) and ctl.cost(6)[0] == 0.2
+
+
+def test_unverified_drafts_still_teach_the_rows_acceptance():
+    """With γ 0 a row's proposal is scored against what it emitted next."""
+    from mlx_lm_spec_decode.batch import Row
+
+    def row(guess):
+        r = Row.__new__(Row)
+        r.hits, r.tries, r.guess = 1.0, 2.0, guess
+        return r
+
+    history = [1, 2, 3, 4, 5, 6]
+    right, wrong, early = row((2, [3, 4, 5])), row((2, [9, 4, 5])), row((5, [6, 7, 8]))
+    for r in (right, wrong, early):
+        r.check(history)
+        assert r.guess is None
+    assert right.alpha > 0.5 > wrong.alpha  # 3 of 3 kept; a miss at once
+    assert early.alpha > 0.5  # only one token emitted since: kept, no miss seen
