@@ -110,7 +110,8 @@ def test_concurrent_greedy_requests_match_the_stock_batched_server(smollm2_f32_p
         assert spec["emitted"] == o["usage"]["completion_tokens"]
         assert spec["drafter"] == "ngram" and spec["fallback"] is None
     assert sum(o["usage"]["speculative_decoding"]["accepted"] for o in ours) > 0
-    assert sampled["usage"]["speculative_decoding"]["emitted"] == 24
+    sampled_n = sampled["usage"]["completion_tokens"]  # sampled: may meet the end token before 24
+    assert 0 < sampled_n <= 24 and sampled["usage"]["speculative_decoding"]["emitted"] == sampled_n
     assert again["choices"][0]["message"]["content"] == ours[0]["choices"][0]["message"]["content"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # Batched, not one at a time; the cancelled stream only cost its handler
