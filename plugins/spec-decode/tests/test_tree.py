@@ -33,6 +33,7 @@ from mlx_lm_spec_decode.controller import Controller
 def cheap_width(monkeypatch):
     """A machine where a wider verify costs almost nothing: trees pay."""
     monkeypatch.setattr(Controller, "verify_cost", lambda self: (0.95, 0.01))
+    monkeypatch.setattr(Controller, "tree_surcharge", lambda self: 0.0)
 
 
 def kv(cache, n):
