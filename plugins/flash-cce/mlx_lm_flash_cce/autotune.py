@@ -213,7 +213,7 @@ def _synthetic(spec, n, h, dtype, seed=0):
     return hidden, head, targets
 
 
-def _measure(run, cand, hidden, warmup) -> Result:
+def _measure(run, cand, hidden) -> Result:
     """Milliseconds and peak bytes above the inputs of loss + hidden gradient.
 
     Compiled, as ``mlx_lm.lora`` compiles its training step: under
@@ -223,9 +223,8 @@ def _measure(run, cand, hidden, warmup) -> Result:
     compiles and is not timed.
     """
     grad = mx.compile(mx.value_and_grad(lambda x: run(cand, x).sum()))
-
     with _budget.bounded(cand.limit_mib * MIB):
-        for _ in range(warmup + 1):
+        for _ in range(2):  # the compiling call, then the timed one
             gc.collect()
             mx.clear_cache()
             base = mx.get_active_memory()
@@ -251,7 +250,6 @@ def trial(
 ) -> Tuple[List[Result], List[Candidate]]:
     """Time each candidate; return ``(results, failed)`` (results in trial order)."""
     hidden, head, targets = _synthetic(spec, n, h, dtype)
-    warmup = 1  # the compiling call (see _measure)
     results, failed = [], []
 
     def run(cand, x):
@@ -262,10 +260,10 @@ def trial(
         if beaten:
             log.debug("flash-cce auto: %s skipped (%s fits)", cand.label, beaten[0].candidate.label)
             continue
-        results.append(_try(run, cand, hidden, warmup, failed))
+        results.append(_try(run, cand, hidden, failed))
     if not any(r and r.peak <= nbytes for r in results):
         for cand in [c for c in cands if c.last_resort]:
-            results.append(_try(run, cand, hidden, warmup, failed))
+            results.append(_try(run, cand, hidden, failed))
             if results[-1] and results[-1].peak <= nbytes:
                 break
     gc.collect()
@@ -292,9 +290,9 @@ def dominates(a: Candidate, b: Candidate) -> bool:
     )
 
 
-def _try(run, cand, hidden, warmup, failed) -> Optional[Result]:
+def _try(run, cand, hidden, failed) -> Optional[Result]:
     try:
-        return _measure(run, cand, hidden, warmup)
+        return _measure(run, cand, hidden)
     except Exception as e:  # noqa: BLE001 (out of memory, a kernel that fails to build: drop it)
         log.debug(
             "flash-cce auto: %s failed in the trial (%s: %s); dropped",

@@ -56,8 +56,8 @@ if rank == 0:
     # make rank 0's trial prefer the pure-MLX path, whatever the timings
     real = autotune._measure
 
-    def measure(run, cand, hidden, warmup):
-        r = real(run, cand, hidden, warmup)
+    def measure(run, cand, hidden):
+        r = real(run, cand, hidden)
         return r._replace(ms=r.ms * (100 if cand.impl == "stock" else 1))
 
     autotune._measure = measure

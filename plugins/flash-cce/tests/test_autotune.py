@@ -300,7 +300,7 @@ def test_a_fitting_big_block_path_spares_the_trials_it_dominates(monkeypatch):
     peaks = {big: 100 << 20, small: 50 << 20, mlx_big: 60 << 20}
     timed = []
 
-    def measure(run, cand, hidden, warmup):
+    def measure(run, cand, hidden):
         timed.append(cand)
         return autotune.Result(cand, 1.0, peaks[cand])
 
