@@ -215,17 +215,10 @@ def install_requests() -> None:
         @functools.wraps(original)
         def _serve_single(self, request, stream):
             rqueue, req, args = request
-            info = getattr(rqueue, "mlx_lm_ext", None)  # from install_batching's queue
-            info = info if isinstance(info, dict) else {}
-
-            class Queue:  # the request's context object carries its plugin figures
-                def put(self, item, *a, **kw):
-                    if type(item).__name__ == "GenerationContext":
-                        item.mlx_lm_ext = info
-                    return rqueue.put(item, *a, **kw)
-
-            with host.serving(info):
-                return original(self, (Queue(), req, args), stream)
+            if not isinstance(rqueue, _RequestQueue):  # install_batching's queue already is one
+                rqueue = _RequestQueue(rqueue)
+            with host.serving(rqueue.mlx_lm_ext):
+                return original(self, (rqueue, req, args), stream)
 
         return _serve_single
 
