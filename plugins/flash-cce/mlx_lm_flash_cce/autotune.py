@@ -6,9 +6,10 @@ call's shapes, dtype and head kind, on its device, and the fastest whose
 peak working memory fits the memory budget wins. Candidates:
 
 - ``stock``: mlx-lm's full-logit loss, where its logits fit the budget (on
-  a GPU with room for it, also timed over budget as the reference the log
-  line compares with; never for a quantized head on the CPU, where MLX's
-  quantized matmul is ~10x slower than the pure-MLX path's BLAS blocks);
+  a GPU with room for it, a dense head is also timed over budget as the
+  reference the log line compares with; never for a quantized head on the
+  CPU, where MLX's quantized matmul is ~10x slower than the pure-MLX path's
+  BLAS blocks). Timed uncompiled: it needs no kernel compile that way;
 - ``mlx``: the pure-MLX path; on a GPU in big blocks with the one-pass
   step and MLX's backpressure (``budget.bounded``), on the CPU in today's
   small blocks (the CPU allocates only a few operations ahead);
@@ -73,15 +74,20 @@ def bucket(n_tokens: int) -> int:
     return 1 << max(0, (n_tokens - 1).bit_length())
 
 
-CACHE_ENV = "MLX_LM_FLASH_CCE_CACHE"  # a folder for the choices, instead of the user cache dir
+CACHE_ENV = "MLX_LM_FLASH_CCE_CACHE"  # a folder for choices and kernels, not the user cache dir
+
+
+def cache_dir() -> Path:
+    """flash-cce's folder for the choices and the compiled kernels (``nvrtc``)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    from mlx_lm_ext.models import cache_root
+
+    return cache_root() / "flash-cce"
 
 
 def cache_path() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]) / "autotune.json"
-    from mlx_lm_ext.models import cache_root
-
-    return cache_root() / "flash-cce" / "autotune.json"
+    return cache_dir() / "autotune.json"
 
 
 def _key(spec, n, h, dtype, nbytes, opts) -> str:
@@ -151,7 +157,13 @@ def floor_bytes(cand: Candidate, n: int, h: int, dtype: mx.Dtype) -> int:
         return 0  # stock_bytes is checked separately
     acc = n * h * (4 + dtype.size)
     if cand.vocab_chunk:
-        return acc + 2 * cand.token_chunk * cand.vocab_chunk * dtype.size
+        # Blocks alive at once, measured on the H200 (bf16, 8192 x 32768): the
+        # MLX step two (the logits and P; 1152 MiB with the accumulators), the
+        # row kernel four (its output and the backward's recomputed block
+        # overlap the next matmul; 2144 MiB). A candidate that cannot fit is
+        # never tried, which spares the trial its kernel compiles.
+        blocks = 4 if cand.backend == "cuda-gemm" else 2
+        return acc + blocks * cand.token_chunk * cand.vocab_chunk * dtype.size
     return acc
 
 
@@ -165,12 +177,15 @@ def candidates(spec: _heads.Head, n: int, h: int, dtype: mx.Dtype, include_stock
     here = backends.available()
     seen = set()
     on_cuda = cuda.available()
-    # Fastest first, so that the trial can skip what a fitting result dominates.
-    for backend in ("cuda-gemm", "mlx"):
-        if backend not in here or not plain or (backend == "cuda-gemm" and not on_cuda):
-            continue
-        # on CUDA the row kernel beats the MLX step at every block size measured
-        for tc, vc, limit in GPU_BLOCKS[:1] if backend == "mlx" and on_cuda else GPU_BLOCKS:
+    # Fastest first, so that the trial can skip what a fitting result
+    # dominates: big blocks before small ones, the row kernel before the MLX
+    # step (on CUDA the MLX step is tried in big blocks only).
+    for i, (tc, vc, limit) in enumerate(GPU_BLOCKS):
+        for backend in ("cuda-gemm", "mlx"):
+            if backend not in here or not plain or (backend == "cuda-gemm" and not on_cuda):
+                continue
+            if backend == "mlx" and on_cuda and i > 0:
+                continue
             tc, vc = min(tc, n), min(vc, spec.vocab)
             if (backend, tc, vc) not in seen:
                 seen.add((backend, tc, vc))
@@ -219,14 +234,19 @@ def _measure(run, cand, hidden) -> Result:
     Compiled, as ``mlx_lm.lora`` compiles its training step: under
     ``mx.grad`` alone MLX runs a compiled block step op by op (the pure-MLX
     path took 30 ms instead of 20 on the H200), so an uncompiled trial
-    would rank the paths as training never runs them. The first call
-    compiles and is not timed.
+    would rank the paths as training never runs them (the stock head
+    excepted, see below). The first call compiles and is not timed.
     """
-    grad = mx.compile(mx.value_and_grad(lambda x: run(cand, x).sum()))
+    grad = mx.value_and_grad(lambda x: run(cand, x).sum())
+    if cand.impl != "stock":
+        # The stock head is two GEMMs and a logsumexp, the same kernels
+        # compiled or not (18.0 and 17.7 ms on the H200), and uncompiled it
+        # costs no NVRTC compile: 0.3 s instead of 7.3 s on a first run.
+        grad = mx.compile(grad)
+    # The last candidate's buffers go; the timed call reuses this one's, as a step does.
+    mx.clear_cache()
     with _budget.bounded(cand.limit_mib * MIB):
         for _ in range(2):  # the compiling call, then the timed one
-            gc.collect()
-            mx.clear_cache()
             base = mx.get_active_memory()
             mx.reset_peak_memory()
             tic = time.perf_counter()
@@ -236,6 +256,7 @@ def _measure(run, cand, hidden) -> Result:
             dt = time.perf_counter() - tic
             peak = mx.get_peak_memory() - base
             del out
+            log.debug("flash-cce auto: %s call %.3f s", cand.label, dt)
     return Result(cand, 1e3 * dt, peak)
 
 
@@ -249,7 +270,9 @@ def trial(
     run_choice: Callable[..., mx.array],
 ) -> Tuple[List[Result], List[Candidate]]:
     """Time each candidate; return ``(results, failed)`` (results in trial order)."""
+    tic = time.perf_counter()
     hidden, head, targets = _synthetic(spec, n, h, dtype)
+    log.debug("flash-cce auto: inputs %.3f s", time.perf_counter() - tic)
     results, failed = [], []
 
     def run(cand, x):
@@ -272,15 +295,21 @@ def trial(
 
 
 def dominates(a: Candidate, b: Candidate) -> bool:
-    """Can ``b`` be no faster than ``a`` by construction (so a fitting ``a`` spares its trial)?
+    """Can ``b`` be no faster than ``a`` (so a fitting ``a`` spares its trial)?
 
-    Both run the one-pass big-block structure with the same GEMMs; ``b``'s
-    blocks are no bigger (as many launches or more) and its memory limit no
-    higher (as little run-ahead or less), and its elementwise step is the
-    same or the unfused MLX one where ``a`` has the row kernel.
+    By construction: both run the one-pass big-block structure with the same
+    GEMMs; ``b``'s blocks are no bigger (as many launches or more) and its
+    memory limit no higher (as little run-ahead or less), and its
+    elementwise step is the same or the unfused MLX one where ``a`` has the
+    row kernel. By measurement: blocks of a sixteenth the size or less are
+    slower whatever their step; 16x the launches and GEMMs too small to
+    fill the GPU (the row kernel in 2048 x 8192 blocks took 1.37-1.45x the
+    MLX step's time in 8192 x 32768 blocks on the H200, dense and 4-bit).
     """
     if a.impl != "flash" or b.impl != "flash" or not a.vocab_chunk or not b.vocab_chunk:
         return False
+    if 16 * b.token_chunk * b.vocab_chunk <= a.token_chunk * a.vocab_chunk:
+        return True
     steps = {("cuda-gemm", "cuda-gemm"), ("cuda-gemm", "mlx"), ("mlx", "mlx")}
     return (
         (a.backend, b.backend) in steps
@@ -311,11 +340,16 @@ def _try(run, cand, hidden, failed) -> Optional[Result]:
 _MEMORY = {}  # key -> Choice, this process
 
 
-def _stock_reference(n, vocab, dtype) -> bool:
-    """Time the stock head as the reference even over budget? On a GPU with room for it."""
-    if not _budget.is_async_gpu():
+def _stock_reference(spec, n, dtype) -> bool:
+    """Time the stock head as the reference even over budget? On a GPU with room for it.
+
+    Not for a quantized head: MLX's quantized matmul was 3.3-3.9x slower
+    than every flash path on the H200, and a first run compiles its
+    kernels for ~56 s, a cost no reference is worth.
+    """
+    if not _budget.is_async_gpu() or spec.kind == "quantized":
         return False
-    return 0 < stock_bytes(n, vocab, dtype) <= _budget.device_floor() // 3
+    return 0 < stock_bytes(n, spec.vocab, dtype) <= _budget.device_floor() // 3
 
 
 def decide(
@@ -344,7 +378,7 @@ def decide(
         why_not = "MLX's quantized matmul is slow on the CPU, so the stock head is not timed"
     fits_stock = include_stock and stock_bytes(n, spec.vocab, dtype) <= nbytes
     cands = candidates(
-        spec, n, h, dtype, fits_stock or (include_stock and _stock_reference(n, spec.vocab, dtype))
+        spec, n, h, dtype, fits_stock or (include_stock and _stock_reference(spec, n, dtype))
     )
     within = [c for c in cands if c.impl != "stock" and floor_bytes(c, n, h, dtype) <= nbytes]
     if fits_stock:

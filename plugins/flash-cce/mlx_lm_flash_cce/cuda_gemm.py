@@ -12,11 +12,12 @@ in one pass with online rescaling (as ``portable`` does):
 
 and at the end ``lse = m + log l`` and ``d = acc / l - dz_t W_t``, the
 hidden-state gradient per unit cotangent (the custom VJP multiplies it by
-the incoming cotangent). ``step`` is a small ``mx.fast.cuda_kernel`` on a
-CUDA GPU (``ROW_KERNEL``: one thread block per token row reads the bf16
-logits twice, from L2 the second time, and writes ``P`` once, ~6 bytes per
-logit) and an ``mx.compile``d MLX function elsewhere (or with
-``elementwise="mlx"``). Logits are rounded to the compute dtype by the
+the incoming cotangent). ``step`` is a small CUDA kernel on a CUDA GPU
+(``ROW_SOURCE``, compiled once per machine by ``nvrtc`` and run through
+``mx.fast.precompiled_cuda_kernel``: one thread block per token row reads
+the bf16 logits twice, from L2 the second time, and writes ``P`` once, ~6
+bytes per logit) and an ``mx.compile``d MLX function elsewhere (or with
+``elementwise="mlx"``, or where NVRTC is not found). Logits are rounded to the compute dtype by the
 matmul as in the stock loss; max, sum and the accumulator are float32.
 
 Memory: MLX evaluates asynchronously and on CUDA queues work far ahead of
@@ -47,6 +48,7 @@ from typing import Callable, Dict, Iterator, NamedTuple, Optional, Tuple
 import mlx.core as mx
 
 from . import heads as _heads
+from . import nvrtc as _nvrtc
 from . import portable
 
 log = logging.getLogger(__name__)
@@ -54,21 +56,47 @@ log = logging.getLogger(__name__)
 TOKEN_CHUNK = 8192  # used unless the caller sets vocab_chunk (then token_chunk, vocab_chunk)
 VOCAB_CHUNK = 8192
 ELEMENTWISE = ("auto", "kernel", "mlx", "mlx-f32")
-NEG_INF_BITS = "0xff800000"
-
 # One thread block per token row of a [rows, cols] logit block: max, then
 # exp / sum / P in a second read (the row is in L2 by then). Vectorized by
-# 16 bytes when the row length allows; scalar otherwise.
-ROW_HEADER = (
-    """
-namespace cce_rows {
+# 16 bytes when the row length allows; scalar otherwise. Self-contained (no
+# headers: bf16 and f16 convert by bit pattern and PTX), so NVRTC compiles
+# it in a fraction of a second and ``nvrtc`` keeps the cubin on disk.
+ROW_SOURCE = r"""
+typedef unsigned short u16;
 constexpr int NT = 256;
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float("""
-    + NEG_INF_BITS
-    + """); }
+struct F32 {
+  typedef float S;
+  static __device__ __forceinline__ float load(S x) { return x; }
+  static __device__ __forceinline__ S store(float f) { return f; }
+};
+struct BF16 {
+  typedef u16 S;
+  static __device__ __forceinline__ float load(S x) { return __uint_as_float(((unsigned)x) << 16); }
+  static __device__ __forceinline__ S store(float f) {  // round to nearest even, as MLX
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (S)0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (S)(u >> 16);
+  }
+};
+struct F16 {
+  typedef u16 S;
+  static __device__ __forceinline__ float load(S x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+  }
+  static __device__ __forceinline__ S store(float f) {
+    S h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+  }
+};
 
-// scaled, soft-capped logit and d logit / d raw (scale <= 0 means none, cap <= 0 none)
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// scaled, soft-capped logit and d logit / d raw (cap <= 0 means none)
 __device__ __forceinline__ float capped(float r, float scale, float cap, float* dz) {
   float z = r * scale;
   float d = scale;
@@ -103,15 +131,17 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
   return out;
 }
 
-template <typename T>
-__device__ void online_step(const T* z, const float* m, const float* l, const float* prm, int ncol,
-                            T* p, float* m_out, float* a_out, float* l_out) {
-  __shared__ float red[33];
-  constexpr int VEC = 16 / sizeof(T);
-  const int row = blockIdx.x, tid = threadIdx.x;
+template <class C>
+__device__ void online_step(const typename C::S* z, const float* m, const float* l,
+                            const float* prm, typename C::S* p, float* m_out, float* a_out,
+                            float* l_out, int ncol) {
+  typedef typename C::S S;
   const float scale = prm[0], cap = prm[1];
-  const T* zr = z + (size_t)row * ncol;
-  T* pr = p + (size_t)row * ncol;
+  __shared__ float red[33];
+  constexpr int VEC = 16 / sizeof(S);
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const S* zr = z + (size_t)row * ncol;
+  S* pr = p + (size_t)row * ncol;
   const bool vec = (ncol % VEC) == 0;
   const int nvec = vec ? ncol / VEC : 0;
   float dz;
@@ -120,12 +150,12 @@ __device__ void online_step(const T* z, const float* m, const float* l, const fl
   if (vec) {
     for (int c = tid; c < nvec; c += NT) {
       uint4 u = reinterpret_cast<const uint4*>(zr)[c];
-      const T* x = reinterpret_cast<const T*>(&u);
+      const S* x = reinterpret_cast<const S*>(&u);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) mx = fmaxf(mx, capped(static_cast<float>(x[k]), scale, cap, &dz));
+      for (int k = 0; k < VEC; ++k) mx = fmaxf(mx, capped(C::load(x[k]), scale, cap, &dz));
     }
   } else {
-    for (int c = tid; c < ncol; c += NT) mx = fmaxf(mx, capped(static_cast<float>(zr[c]), scale, cap, &dz));
+    for (int c = tid; c < ncol; c += NT) mx = fmaxf(mx, capped(C::load(zr[c]), scale, cap, &dz));
   }
   mx = block_reduce(mx, red, true);
   const float m_old = m[row];
@@ -135,22 +165,22 @@ __device__ void online_step(const T* z, const float* m, const float* l, const fl
   if (vec) {
     for (int c = tid; c < nvec; c += NT) {
       uint4 u = reinterpret_cast<const uint4*>(zr)[c];
-      const T* x = reinterpret_cast<const T*>(&u);
+      const S* x = reinterpret_cast<const S*>(&u);
       uint4 o;
-      T* y = reinterpret_cast<T*>(&o);
+      S* y = reinterpret_cast<S*>(&o);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        float e = __expf(capped(static_cast<float>(x[k]), scale, cap, &dz) - m_new);
+        float e = __expf(capped(C::load(x[k]), scale, cap, &dz) - m_new);
         s += e;
-        y[k] = static_cast<T>(e * dz);
+        y[k] = C::store(e * dz);
       }
       reinterpret_cast<uint4*>(pr)[c] = o;
     }
   } else {
     for (int c = tid; c < ncol; c += NT) {
-      float e = __expf(capped(static_cast<float>(zr[c]), scale, cap, &dz) - m_new);
+      float e = __expf(capped(C::load(zr[c]), scale, cap, &dz) - m_new);
       s += e;
-      pr[c] = static_cast<T>(e * dz);
+      pr[c] = C::store(e * dz);
     }
   }
   s = block_reduce(s, red, false);
@@ -161,13 +191,17 @@ __device__ void online_step(const T* z, const float* m, const float* l, const fl
     l_out[row] = l[row] * a + s;
   }
 }
-}  // namespace cce_rows
+
+#define ROWS(NAME, C)                                                                  \
+  extern "C" __global__ void __launch_bounds__(NT)                                     \
+      NAME(const C::S* z, const float* m, const float* l, const float* prm, C::S* p,   \
+           float* m_out, float* a_out, float* l_out, int ncol) {                       \
+    online_step<C>(z, m, l, prm, p, m_out, a_out, l_out, ncol);                        \
+  }
+ROWS(cce_rows_float32, F32)
+ROWS(cce_rows_bfloat16, BF16)
+ROWS(cce_rows_float16, F16)
 """
-)
-
-ROW_BODY = "cce_rows::online_step<T>(z, m, l, prm, z_shape[1], p, m_out, a_out, l_out);"
-
-_ROW_KERNEL = []
 
 
 def available() -> bool:
@@ -211,19 +245,9 @@ class Config(NamedTuple):
     lean: bool = True  # the MLX step without float32 [Tc, Vc] arrays (see mlx_step)
 
 
-def _row_kernel():
-    if not _ROW_KERNEL:
-        _ROW_KERNEL.append(
-            mx.fast.cuda_kernel(
-                name="flash_cce_online_rows",
-                input_names=["z", "m", "l", "prm"],
-                output_names=["p", "m_out", "a_out", "l_out"],
-                source=ROW_BODY,
-                header=ROW_HEADER,
-                ensure_row_contiguous=True,
-            )
-        )
-    return _ROW_KERNEL[0]
+def row_kernel() -> Optional[bytes]:
+    """The row kernel's cubin for this GPU (None: not here; the MLX step is used)."""
+    return _nvrtc.cubin("cce_rows", ROW_SOURCE)
 
 
 def kernel_step(
@@ -234,7 +258,7 @@ def kernel_step(
     logit_scale: Optional[float] = None,
 ) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
     """The CUDA row kernel: ``(z, m, l) -> (m', a, l', P)`` with ``P`` in ``z``'s dtype."""
-    rows = z.shape[0]
+    rows, cols = z.shape
     prm = mx.array(
         [
             1.0 if logit_scale is None else float(logit_scale),
@@ -242,13 +266,16 @@ def kernel_step(
         ],
         dtype=mx.float32,
     )
-    p, m_new, a, l_new = _row_kernel()(
+    p, m_new, a, l_new = mx.fast.precompiled_cuda_kernel(
+        name=f"cce_rows_{str(z.dtype).rsplit('.', 1)[-1]}",
+        compiled_source=row_kernel(),
         inputs=[z, m, l, prm],
-        template=[("T", z.dtype)],
-        grid=(256 * rows, 1, 1),
-        threadgroup=(256, 1, 1),
         output_shapes=[z.shape, (rows,), (rows,), (rows,)],
         output_dtypes=[z.dtype, mx.float32, mx.float32, mx.float32],
+        scalars=[int(cols)],
+        grid=(256 * rows, 1, 1),
+        threadgroup=(256, 1, 1),
+        ensure_row_contiguous=True,
     )
     return m_new, a, l_new, p
 
@@ -467,6 +494,10 @@ def use_kernel(opts: portable.Options, dtype: mx.Dtype) -> bool:
         raise ValueError(
             "elementwise='kernel' needs MLX's CUDA backend with a GPU as the default device"
         )
+    if ok and row_kernel() is None:  # no NVRTC here: the compiled MLX step
+        if how == "kernel":
+            raise ValueError("elementwise='kernel': the row kernel does not compile here (NVRTC)")
+        return False
     return ok
 
 

@@ -18,9 +18,14 @@ for step in ${*:-auto step tests}; do
             --auto-paths "mlx 8192x32768 +1024" "mlx 8192x16384 +1024" "mlx 2048x8192 +128" \
             "cuda-gemm 8192x32768 +1024" "cuda-gemm 2048x8192 +128" "cuda fused" \
             --json "$OUT/auto${AUTO_TAG:-}.json" 2>&1 | tee "$OUT/auto${AUTO_TAG:-}.log" ;;
-    trial) for i in 1 2; do  # a fresh process each: the first also compiles MLX's kernels
-             timeout ${TRIAL_TIMEOUT:-120} python3 plugins/flash-cce/scripts/trial_cost.py --shape 8192x151936x2048 \
-               2>&1 | tee -a "$OUT/trial.log"; done ;;
+    trial) # fresh MLX and flash-cce caches: the first process is a first run on this machine
+           export MLX_PTX_CACHE_DIR=$(mktemp -d) MLX_LM_FLASH_CCE_CACHE=$(mktemp -d)
+           # auto twice, then the backend auto chose forced: the difference of the
+           # first calls is what auto adds to a run
+           for head in "" --q4; do for backend in auto auto mlx; do  # a fresh process each
+             echo "trial ${head:-bf16} $backend" | tee -a "$OUT/trial.log"
+             timeout ${TRIAL_TIMEOUT:-150} python3 plugins/flash-cce/scripts/trial_cost.py --shape 8192x151936x2048 \
+               $head --backend $backend 2>&1 | tee -a "$OUT/trial.log"; done; done ;;
     step) timeout ${STEP_TIMEOUT:-240} python3 $B --step --step-model random-llama-1b --step-batch 4 --step-seq 2048 \
             --step-layers 16 --step-repeats 3 --step-losses ${STEP_LOSSES:-default flash-cce flash-cce@2G} \
             --json "$OUT/step.json" 2>&1 | tee "$OUT/step.log" ;;
