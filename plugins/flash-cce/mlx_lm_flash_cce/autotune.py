@@ -48,6 +48,7 @@ from . import heads as _heads
 from . import portable as _portable
 from . import ranks
 from .candidate import GPU_BLOCKS, MIB, Candidate, Choice, Result  # noqa: F401 (re-exported)
+from .paths import CACHE_ENV, cache_dir  # noqa: F401 (re-exported)
 
 log = logging.getLogger("mlx_lm_flash_cce")
 
@@ -72,18 +73,6 @@ def head_kind(spec: _heads.Head) -> str:
 def bucket(n_tokens: int) -> int:
     """Tokens rounded up to a power of two: batches of similar length share a choice."""
     return 1 << max(0, (n_tokens - 1).bit_length())
-
-
-CACHE_ENV = "MLX_LM_FLASH_CCE_CACHE"  # a folder for choices and kernels, not the user cache dir
-
-
-def cache_dir() -> Path:
-    """flash-cce's folder for the choices and the compiled kernels (``nvrtc``)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    from mlx_lm_ext.models import cache_root
-
-    return cache_root() / "flash-cce"
 
 
 def cache_path() -> Path:
@@ -177,9 +166,8 @@ def candidates(spec: _heads.Head, n: int, h: int, dtype: mx.Dtype, include_stock
     here = backends.available()
     seen = set()
     on_cuda = cuda.available()
-    # Fastest first, so that the trial can skip what a fitting result
-    # dominates: big blocks before small ones, the row kernel before the MLX
-    # step (on CUDA the MLX step is tried in big blocks only).
+    # Fastest first, so that the trial can skip what a fitting result dominates:
+    # big blocks first, the row kernel before the MLX step (big blocks only on CUDA).
     for i, (tc, vc, limit) in enumerate(GPU_BLOCKS):
         for backend in ("cuda-gemm", "mlx"):
             if backend not in here or not plain or (backend == "cuda-gemm" and not on_cuda):
@@ -270,9 +258,7 @@ def trial(
     run_choice: Callable[..., mx.array],
 ) -> Tuple[List[Result], List[Candidate]]:
     """Time each candidate; return ``(results, failed)`` (results in trial order)."""
-    tic = time.perf_counter()
     hidden, head, targets = _synthetic(spec, n, h, dtype)
-    log.debug("flash-cce auto: inputs %.3f s", time.perf_counter() - tic)
     results, failed = [], []
 
     def run(cand, x):
@@ -301,10 +287,9 @@ def dominates(a: Candidate, b: Candidate) -> bool:
     GEMMs; ``b``'s blocks are no bigger (as many launches or more) and its
     memory limit no higher (as little run-ahead or less), and its
     elementwise step is the same or the unfused MLX one where ``a`` has the
-    row kernel. By measurement: blocks of a sixteenth the size or less are
-    slower whatever their step; 16x the launches and GEMMs too small to
-    fill the GPU (the row kernel in 2048 x 8192 blocks took 1.37-1.45x the
-    MLX step's time in 8192 x 32768 blocks on the H200, dense and 4-bit).
+    row kernel. By measurement: blocks of a sixteenth the size or less (16x
+    the launches) are slower whatever their step (on the H200 the row kernel
+    in 2048 x 8192 took 1.37-1.45x the MLX step's time in 8192 x 32768).
     """
     if a.impl != "flash" or b.impl != "flash" or not a.vocab_chunk or not b.vocab_chunk:
         return False

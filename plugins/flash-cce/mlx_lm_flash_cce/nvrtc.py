@@ -27,6 +27,8 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
+from .paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 _LIB = []  # [ctypes.CDLL or None], loaded once
@@ -108,8 +110,6 @@ def _version(lib: ctypes.CDLL) -> str:
 
 
 def _folder() -> Path:
-    from .autotune import cache_dir
-
     return cache_dir() / "kernels"
 
 

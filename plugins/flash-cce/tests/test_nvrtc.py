@@ -5,7 +5,7 @@ import logging
 import mlx.core as mx
 import pytest
 
-from mlx_lm_flash_cce import autotune, cuda_gemm, nvrtc
+from mlx_lm_flash_cce import autotune, cuda_gemm, nvrtc, rows
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_failed_compile_is_none_and_the_step_is_mlx(fake_nvrtc, monkeypatch):
 def test_real_row_kernel_is_cached(monkeypatch, tmp_path):
     monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(nvrtc, "_BINARIES", {})
-    body = cuda_gemm.row_kernel()
+    body = rows.row_kernel()
     assert body and list((tmp_path / "kernels").glob("cce_rows-sm_*.cubin"))
     monkeypatch.setattr(nvrtc, "_BINARIES", {})
-    assert cuda_gemm.row_kernel() == body
+    assert rows.row_kernel() == body
