@@ -13,6 +13,10 @@ method in the same process, one after the other:
   holds them: repetition across requests only. ``suffix`` starts each replay
   with an empty corpus and learns as it goes; tok/s is the whole sequence's
   (tokens over generation seconds), cold start included;
+- ``agent: near-identical asks``: the same four tasks, each asked three
+  times in wordings that differ only in their last words (a batch job's
+  template filled in again, an agent's retry): the answers repeat one
+  another nearly word for word, and still no prompt holds them;
 - the grounded and open prompts of ``bench_spec_decode.py``; ``suffix`` runs
   them with the corpus the agent replay left (a copy per run), as a process
   that served those requests would.
@@ -60,10 +64,16 @@ WORDINGS = [
 ]
 
 
-def agent_requests():
-    """Four coding tasks, each asked three times in other words (an agent's
-    retries, a batch job's near-identical questions), in this order."""
-    return [w.format(t) for w in WORDINGS for t in TASKS]
+NEAR_WORDINGS = [
+    "Write a Python function to {}.",
+    "Write a Python function to {}, please.",
+    "Write a Python function to {}. Thanks!",
+]
+
+
+def agent_requests(wordings=WORDINGS):
+    """Four coding tasks, each asked three times in ``wordings``, in this order."""
+    return [w.format(t) for w in wordings for t in TASKS]
 
 
 def timed(drafter):
@@ -288,13 +298,27 @@ def main():
         f"{args.agent_max_tokens} tokens a request (agent), {args.max_tokens} (the others)\n",
         flush=True,
     )
-    rows, suffix = [], None
+    rows, replayed = [], False  # an agent replay left its corpus in state["corpus"]
     if not args.only or any(s in "agent: repeated asks" for s in args.only):
-        r, suffix = bench(
+        r, _ = bench(
             model, tok, "agent: repeated asks", agent, args.agent_max_tokens, args.repeats, methods
         )
         rows += r
-    warm = state["corpus"] if suffix is not None else sd.SuffixCorpus()
+        replayed = True
+    if not args.only or any(s in "agent: near-identical asks" for s in args.only):
+        near = [chat(tok, t) for t in agent_requests(NEAR_WORDINGS)]
+        r, _ = bench(
+            model,
+            tok,
+            "agent: near-identical asks",
+            near,
+            args.agent_max_tokens,
+            args.repeats,
+            methods,
+        )
+        rows += r
+        replayed = True
+    warm = state["corpus"] if replayed else sd.SuffixCorpus()
     for i, (name, _) in enumerate(methods):
         if name.startswith("suffix"):
             tree = name.endswith("+tree")
