@@ -9,7 +9,7 @@ for good when the drafter or the verify forward cannot pay) when it does not.
 """
 
 from collections import deque
-from typing import Optional
+from typing import Callable, List, Optional
 
 
 class Controller:
@@ -167,3 +167,24 @@ class Controller:
             spec = sum(t for t, _ in self.spec) / sum(n for _, n in self.spec)
             if spec > plain * self.SLACK:
                 self._switch_off()
+
+
+RESUME_HITS = 3  # guesses kept in a row while drafting is off before it resumes
+
+
+def resume_watch(guess: Callable[[], List[int]], last: Callable[[], int]) -> Callable[[], bool]:
+    """While drafting is off: score a free drafter's guesses (``guess()``, the
+    drafter's proposal now) against each token emitted (``last()``); True
+    once ``RESUME_HITS`` in a row would have been kept: the text has started
+    to repeat something the drafter holds, so drafting should resume."""
+    state = {"guess": [], "pos": 0}
+
+    def watch() -> bool:
+        g, pos = state["guess"], state["pos"]
+        if pos < len(g) and g[pos] == last():
+            state["pos"] = pos + 1
+            return state["pos"] >= RESUME_HITS
+        state["guess"], state["pos"] = [int(t) for t in guess()], 0
+        return False
+
+    return watch

@@ -38,7 +38,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from . import sampling, tree_verify
 from . import stats as stats_mod
 from . import target as target_mod
-from .controller import Controller
+from .controller import Controller, resume_watch
 from .drafter import DraftContext, DrafterProtocol
 
 log = logging.getLogger("mlx_lm_spec_decode")
@@ -171,6 +171,7 @@ class VerifyLoop:
         self.y = tokens[-1]
         self.warned = False
         self.misses = 0  # drafting rounds in a row with nothing proposed
+        self.free = False  # the drafter computes nothing on the device (lists of ids)
         self.start = _offset(self.target_cache)
         self.trees = tree_verify.TreeRounds.start(self)  # None: chains only
 
@@ -246,8 +247,16 @@ class VerifyLoop:
             if self.ctl.off_for > 0:
                 self.st.auto_off = True
                 n = min(self.ctl.off_for, remaining)
+                for_good = self.ctl.off_for >= 1 << 29  # drafting cannot pay here
                 self.ctl.off_for = 0
-                yield from self.plain(n)
+                # A drafter that costs nothing to ask (n-gram, suffix) keeps
+                # guessing, and drafting resumes as soon as its guesses hold.
+                watch = None
+                if self.free and not for_good:
+                    watch = resume_watch(
+                        lambda: self.drafter.draft(self.ctx, self.ctl.gamma)[0], lambda: self.y
+                    )
+                yield from self.plain(n, watch=watch)
                 continue
             yield from self.draft_round(remaining, room)
 
@@ -347,6 +356,7 @@ class VerifyLoop:
         drafts, q = self.drafter.draft(self.ctx, k_req)
         if not isinstance(drafts, mx.array):
             self.ctl.free_drafts()
+            self.free = True
             drafts = mx.array(drafts, mx.uint32)
         elif drafts.size and self.ctl.time_draft():
             # A drafter that computes (a draft model): time its steps.
@@ -405,12 +415,16 @@ class VerifyLoop:
 
     # ------------------------------------------------------ plain steps
 
-    def plain(self, n: int, t0: Optional[float] = None) -> Iterator[Step]:
+    def plain(
+        self, n: int, t0: Optional[float] = None, watch: Optional[Callable[[], bool]] = None
+    ) -> Iterator[Step]:
         """Plain decoding of n tokens, pipelined as mlx-lm's generate_step.
 
         Each token is fed before it is yielded, except the last one, which
         stays pending in ``y`` (as after a verify round). With ``t0``, each
-        step is timed for the controller.
+        step is timed for the controller. ``watch`` is asked after each
+        token; True ends the run one token later (that token's forward is
+        already queued).
 
         As in mlx-lm, the next step's graph is built from the lazy token
         before this one is read, so Python's graph building overlaps the
@@ -418,7 +432,9 @@ class VerifyLoop:
         nxt = self.step(self.y)
         mx.async_eval(nxt[:2])
         lazy = self.context is None
-        for i in range(n):
+        i = -1
+        while i + 1 < n:
+            i += 1
             tok_arr, lp, hidden = nxt
             if lazy and i + 1 < n:
                 nxt = self.step(tok_arr)
@@ -441,6 +457,8 @@ class VerifyLoop:
             self.told += 1
             self.y = tok
             self.drafter.accept(self.ctx, [tok], 0)
+            if watch is not None and i + 1 < n and watch():
+                n = i + 2
             yield tok, lp, False
 
     def step(self, tok: Any) -> tuple[mx.array, mx.array, Optional[mx.array]]:

@@ -362,3 +362,30 @@ def test_nothing_to_propose_decodes_in_pipelined_runs(tiny_llama, repetitive_pro
     assert Mute.asked <= 10
     s = last_stats()
     assert s.emitted == 40 and s.drafted == 0
+
+
+def test_drafting_resumes_when_guesses_start_to_hold(tiny_llama, repetitive_prompt, monkeypatch):
+    """Switched off by wrong drafts, a free drafter keeps guessing while the
+    back-off runs; once its guesses hold, drafting resumes before the
+    back-off would have ended (greedy output unchanged)."""
+    from mlx_lm_spec_decode import controller
+
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    n, right_from = 90, 14
+    ref = stock(model, prompt, n)
+
+    class Late(NGramDrafter):  # wrong for the first tokens, then an oracle
+        def draft(self, ctx, k):
+            pos = len(ctx.cache[0].tokens) - len(prompt)
+            return ([0] * k if pos < right_from else ref[pos : pos + k]), None
+
+    runs = {}
+    for mode, hits in (("guessing", controller.RESUME_HITS), ("back-off only", 1 << 30)):
+        monkeypatch.setattr(controller, "RESUME_HITS", hits)
+        assert spec(model, Late(), prompt, n, k=8) == ref
+        runs[mode] = last_stats()
+        print(mode, runs[mode].line())
+    assert runs["guessing"].auto_off and runs["back-off only"].auto_off
+    assert runs["guessing"].accepted > runs["back-off only"].accepted
+    assert runs["guessing"].forwards < runs["back-off only"].forwards
