@@ -141,10 +141,23 @@ def test_metrics_parse_and_move_as_requests_are_served(server):
     u1 = server.chat("Name three colours.", max_tokens=10)
     u2 = server.chat("Name three fruits.", max_tokens=8, stream=True)
     assert server.post(None, raw=b"{not json")[0] == 400
-    after = scrape(server)
 
     def moved(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
+
+    # A request is counted when its handler returns, just after the client
+    # has its answer: scrape until the three have ended.
+    deadline = time.monotonic() + 10
+    while True:
+        after = scrape(server)
+        ended = moved("mlx_lm_requests_total", status="200") + moved(
+            "mlx_lm_requests_total", status="400"
+        )
+        if (ended >= 3 and value(after, "mlx_lm_requests_in_flight") == 0) or (
+            time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.05)
 
     assert moved("mlx_lm_requests_total", status="200") == 2
     assert moved("mlx_lm_requests_total", status="400") == 1

@@ -2,6 +2,7 @@
 
 import os
 import sysconfig
+import time
 import urllib.request
 
 import pytest
@@ -22,6 +23,20 @@ def scrape(server):
         for fam in text_string_to_metric_families(text)
         for s in fam.samples
     }
+
+
+def settled(server, answered, timeout=10.0):
+    """A scrape once ``answered`` requests have ended: the server counts a
+    request when its handler returns, just after the client has the answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = scrape(server)
+        done = sum(v for (n, _), v in got.items() if n == "mlx_lm_requests_total")
+        if done >= answered and got.get(("mlx_lm_requests_in_flight", ()), 0) == 0:
+            return got
+        if time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
 
 
 class _Cache:
@@ -70,7 +85,7 @@ def test_disk_series_move_on_a_real_server(servers, smollm2_f32_path, tmp_path):
 
     warm = servers(smollm2_f32_path, d, tmp_path / "warm.log").wait_ready(300)
     usage = warm.chat(ask, max_tokens=4)["usage"]
-    after = scrape(warm)
+    after = settled(warm, answered=1)
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0
     assert after[("mlx_lm_ssd_cache_hits_total", ())] == 1
