@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
@@ -32,7 +32,7 @@ from .paths import cache_dir
 log = logging.getLogger(__name__)
 
 _LIB = []  # [ctypes.CDLL or None], loaded once
-_BINARIES: Dict[str, Optional[bytes]] = {}  # key -> cubin, this process
+_BINARIES: Dict[Tuple[str, str], Optional[bytes]] = {}  # (name, source) -> cubin, this process
 
 
 def _library() -> Optional[ctypes.CDLL]:
@@ -137,7 +137,17 @@ def _write(path: Path, body: bytes) -> None:
 
 
 def cubin(name: str, source: str) -> Optional[bytes]:
-    """The compiled ``source`` for this GPU: from this process, the disk, or NVRTC."""
+    """The compiled ``source`` for this GPU: from this process, the disk, or NVRTC.
+
+    Called for every block the row kernel runs on, so after the first call it
+    is one dict lookup (no device query, hashing or file access).
+    """
+    if (name, source) not in _BINARIES:
+        _BINARIES[name, source] = _load(name, source)
+    return _BINARIES[name, source]
+
+
+def _load(name: str, source: str) -> Optional[bytes]:
     if not hasattr(mx.fast, "precompiled_cuda_kernel"):
         return None
     lib, arch = _library(), architecture()
@@ -145,18 +155,13 @@ def cubin(name: str, source: str) -> Optional[bytes]:
         log.debug("flash-cce: NVRTC (%s) or the GPU architecture (%s) not found", lib, arch)
         return None
     digest = hashlib.sha256(f"{source}\0{arch}\0{_version(lib)}".encode()).hexdigest()[:24]
-    key = f"{name}-{arch}-{digest}"
-    if key in _BINARIES:
-        return _BINARIES[key]
-    path = _folder() / f"{key}.cubin"
+    path = _folder() / f"{name}-{arch}-{digest}.cubin"
     body = _read(path) if path.exists() else None
     if body is None:
         try:
             body = _compile(lib, name, source, arch)
         except (RuntimeError, OSError, AttributeError) as e:
             log.debug("flash-cce: %s does not compile here: %s", name, e)
-            body = None
-        else:
-            _write(path, body)
-    _BINARIES[key] = body
+            return None
+        _write(path, body)
     return body
