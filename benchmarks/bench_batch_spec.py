@@ -144,7 +144,7 @@ def ask(port, prompt, max_tokens):
         f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"}
     )
     t0 = time.perf_counter()
-    first, text, usage = None, [], None
+    text, usage = [], None
     with urllib.request.urlopen(req, timeout=1800) as resp:
         for line in resp:
             line = line.decode().strip()
@@ -154,10 +154,8 @@ def ask(port, prompt, max_tokens):
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
                 if choice.get("delta", {}).get("content"):
-                    first = first or time.perf_counter()
                     text.append(choice["delta"]["content"])
-    end = time.perf_counter()
-    return {"usage": usage, "text": "".join(text), "first": first or end, "end": end}, end - t0
+    return {"usage": usage, "text": "".join(text)}, time.perf_counter() - t0
 
 
 def burst(port, prompts, max_tokens, clients=None):
