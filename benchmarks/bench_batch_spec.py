@@ -17,7 +17,11 @@ row). ``--repeats`` times, interleaved; the best run of each is kept.
 Columns: aggregate tok/s (completion tokens over the wall time from the
 first request sent to the last answer), mean per-request latency, the
 ratio of ours to stock, the acceptance of drafted tokens, and ``same``
-(every greedy text identical to stock's).
+(every greedy text identical to stock's). ``ours`` drafts token trees where
+its drafter proposes them (the default ``--draft-tree auto``); ``--trees``
+adds a third server drafting chains only (``--draft-tree off``) and a
+second table: trees against chains at the same drafter, tok/s and tokens
+per target forward.
 
 ``--dtype`` casts the float32 SmolLM2 folder's weights into a folder of its
 own; ``--device`` is MLX's default device inside both servers.
@@ -177,7 +181,10 @@ def burst(port, prompts, max_tokens, clients=None):
     spec = [r["usage"].get("speculative_decoding") for r, _ in res]
     drafted = sum(s["drafted"] for s in spec if s)
     accepted = sum(s["accepted"] for s in spec if s)
+    forwards = sum(s["forwards"] for s in spec if s)
     return {
+        "tpf": sum(s["emitted"] for s in spec if s) / forwards if forwards else 1.0,
+        "trees": sum(s.get("tree_rounds", 0) for s in spec if s),
         "tps": tokens / wall,
         "latency": sum(t for _, t in res) / len(res),
         "texts": [r["text"] for r, _ in res],
@@ -194,6 +201,12 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kinds", default="grounded,open")
+    ap.add_argument(
+        "--trees",
+        action="store_true",
+        help="also run a third server drafting chains only (--draft-tree off) and "
+        "print a table of token trees against chains",
+    )
     args = ap.parse_args()
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
@@ -209,18 +222,23 @@ def main():
         model = cast_folder(model, args.dtype)
     env_note = os.environ.get("LD_PRELOAD", "") and " (LD_PRELOAD set)"
     print(f"# SmolLM2-135M {args.dtype} on {args.device}{env_note}, {args.max_tokens} tokens")
-    stock = start(model, args.device)
-    ours = start(model, args.device, "--plugin", "spec-decode")
-    rows = []
+    servers = {
+        "stock": start(model, args.device),
+        "ours": start(model, args.device, "--plugin", "spec-decode"),
+    }
+    if args.trees:
+        flags = ("--plugin", "spec-decode", "--draft-tree", "off")
+        servers["chain"] = start(model, args.device, *flags)
+    rows, tree_rows = [], []
     try:
-        for port, _ in (stock, ours):  # warm up both (first-call compiles, caches)
+        for port, _ in servers.values():  # warm up (first-call compiles, caches)
             burst(port, OPEN[:2], 8)
         for kind in kinds:
             pool = grounded() if kind == "grounded" else OPEN
             for c in levels:
                 best = {}
                 for _ in range(args.repeats):
-                    for name, (port, _) in (("stock", stock), ("ours", ours)):
+                    for name, (port, _) in servers.items():
                         r = burst(port, pool, args.max_tokens, clients=c)
                         if name not in best or r["tps"] > best[name]["tps"]:
                             best[name] = r
@@ -232,8 +250,16 @@ def main():
                 )
                 print(row, flush=True)
                 rows.append(row)
+                if args.trees:
+                    ch = best["chain"]
+                    tree_rows.append(
+                        f"| {kind} | {c} | {ch['tps']:.2f} | {o['tps']:.2f} | "
+                        f"{o['tps'] / ch['tps']:.2f}x | {ch['tpf']:.2f} | {o['tpf']:.2f} | "
+                        f"{o['trees']} | {'yes' if ch['texts'] == s['texts'] else 'no'} |"
+                    )
+                    print(tree_rows[-1], flush=True)
     finally:
-        for _, proc in (stock, ours):
+        for _, proc in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
     print()
@@ -243,6 +269,14 @@ def main():
     )
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    if tree_rows:
+        print()
+        print(
+            "| prompts | concurrency | chains tok/s | trees tok/s | trees/chains | "
+            "chains tok/fwd | trees tok/fwd | tree rounds | chains same |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(tree_rows))
 
 
 if __name__ == "__main__":

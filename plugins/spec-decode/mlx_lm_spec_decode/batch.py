@@ -35,15 +35,17 @@ hence ``usage``, and to the log when it finishes.
 
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
+from . import batch_tree
 from . import stats as stats_mod
+from . import tree as tree_mod
 from .batch_verify import BatchController, RowRule, verify
 from .drafter import DraftContext
-from .ragged import ragged, rollback
+from .ragged import keep_paths, ragged, rollback
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
@@ -70,10 +72,12 @@ class Row:
     def alpha(self) -> float:
         return self.hits / self.tries
 
-    def observe(self, k: int, a: int) -> None:
-        # Geometric acceptance: a successes, one failure unless all were kept.
+    def observe(self, k: int, a: int, rejected: Optional[bool] = None) -> None:
+        # Geometric acceptance: a successes, one failure unless all were kept
+        # (in a tree: unless the accepted path ended on a leaf).
+        rejected = a < k if rejected is None else rejected
         self.hits = 0.8 * self.hits + a
-        self.tries = 0.8 * self.tries + a + (1 if a < k else 0)
+        self.tries = 0.8 * self.tries + a + (1 if rejected else 0)
 
     def check(self, history: List[int]) -> None:
         """Score drafts no round verified against the tokens emitted since, so
@@ -102,6 +106,15 @@ class SpecState:
         self.gamma_start = self.ctl.gamma
         self.stats: Dict[int, stats_mod.SpecStats] = {}
         self.no_draft: Optional[str] = None  # why the whole batch decodes plainly
+        self._trees: Optional[bool] = None if batch_tree.drafts_trees(drafter) else False
+
+    @property
+    def trees(self) -> bool:
+        """Whether rows draft trees: the drafter proposes them and the model's
+        batched forward takes them (checked on first use)."""
+        if self._trees is None:
+            self._trees = batch_tree.tree_ok(self.model)
+        return self._trees
 
     def begin(self, uid: int) -> None:
         st = stats_mod.SpecStats(
@@ -184,18 +197,30 @@ class SpecGenerationBatch(GenerationBatch):
             d.accept(row.ctx, list(history[row.told :]), 0)
         row.told = len(history)
 
-    def _propose(self, pending: List[int]) -> List[List[int]]:
-        out = []
-        gmax = self.spec.ctl.gmax
+    def _propose(self, pending: List[int]) -> Tuple[List[List[int]], List[Any]]:
+        """Each row's chain of drafts and, with a tree drafter, its trie
+        (``batch_tree.RowTree``) when it holds more than the chain."""
+        out, trees = [], []
+        gmax, d = self.spec.ctl.gmax, self.spec.drafter
+        use_trees = self.spec.trees
         for i, row in enumerate(self.rows):
             room = min(gmax, self.max_tokens[i] - self._num_tokens[i] - 1)
             history = self.tokens[i] + [pending[i]]
             if row.guess:
                 row.check(history)
             self._guard(row, self._sync, row, history)
-            drafts = self._guard(row, self.spec.drafter.draft, row.ctx, room) if room > 0 else None
+            tree = None
+            if room <= 0:
+                drafts = None
+            elif use_trees:
+                paths = self._guard(row, d.draft_tree, row.ctx, room)
+                tree = batch_tree.RowTree(paths, row.alpha, room) if paths else None
+                drafts = (tree.chain,) if tree else None
+            else:
+                drafts = self._guard(row, d.draft, row.ctx, room)
             out.append([int(t) for t in drafts[0]][:room] if drafts else [])
-        return out
+            trees.append(tree if tree and len(tree.tokens) > len(out[-1]) + 1 else None)
+        return out, trees
 
     # ------------------------------------------------------------ one call
 
@@ -220,7 +245,7 @@ class SpecGenerationBatch(GenerationBatch):
             return self._plain()
         pending = self._next_tokens.tolist()
         t0 = time.perf_counter()
-        drafts = self._propose(pending)
+        drafts, trees = self._propose(pending)
         lengths = [len(d) for d in drafts]
         if not any(lengths):
             # Nothing to propose: a plain step, and after a few in a row
@@ -237,7 +262,7 @@ class SpecGenerationBatch(GenerationBatch):
             self.plain_left = COST_RUN
             return self._plain()
         self.prompt_cache = caches
-        return self._round(pending, [d[:gamma] for d in drafts], t0)
+        return self._round(pending, [d[:gamma] for d in drafts], trees, t0)
 
     def _plain(self) -> List[GenerationBatch.Response]:
         """mlx-lm's own step (each row feeds its pending token, one emitted),
@@ -255,27 +280,42 @@ class SpecGenerationBatch(GenerationBatch):
         return out
 
     def _round(
-        self, pending: List[int], drafts: List[List[int]], t0: float
+        self, pending: List[int], drafts: List[List[int]], trees: List[Any], t0: float
     ) -> List[GenerationBatch.Response]:
         """One verify forward over every row's window, then per-row emission."""
         B = len(self.uids)
         W = 1 + max(len(d) for d in drafts)
-        windows = [[pending[i]] + d + [0] * (W - 1 - len(d)) for i, d in enumerate(drafts)]
-        logits = self.model(mx.array(windows, mx.uint32), cache=self.prompt_cache)
+        windows, parents, sizes = [], [], []
+        for i, d in enumerate(drafts):
+            par = list(range(-1, len(d)))
+            if trees[i] is not None:
+                nodes, tpar = trees[i].fill(W)
+                if not tree_mod.is_chain(tpar):
+                    d, par = nodes, tpar
+            sizes.append(1 + len(d))
+            windows.append([pending[i]] + d + [0] * (W - 1 - len(d)))
+            parents.append(par + list(range(len(par) - 1, W - 1)))  # padding: a chain
+        branching = [not tree_mod.is_chain(p[:n]) for p, n in zip(parents, sizes, strict=True)]
         contexts = [
             self._token_context[i].tokens if self.logits_processors[i] else None for i in range(B)
         ]
-        lps, accepted, targets = verify(
-            logits,
-            windows,
-            drafts,
-            [r.rule for r in self.rows],
-            self.logits_processors,
-            contexts,
-        )
+        rules = [r.rule for r in self.rows]
+        if any(branching):
+            logits = batch_tree.forward(self.model, self.prompt_cache, windows, parents)
+            lps, paths, targets, rejected = batch_tree.verify(
+                logits, windows, parents, sizes, rules, self.logits_processors, contexts
+            )
+            accepted = [len(p) - 1 for p in paths]
+        else:
+            logits = self.model(mx.array(windows, mx.uint32), cache=self.prompt_cache)
+            lps, accepted, targets = verify(
+                logits, windows, drafts, rules, self.logits_processors, contexts
+            )
+            paths = [list(range(a + 1)) for a in accepted]
+            rejected = [a < len(d) for a, d in zip(accepted, drafts, strict=True)]
         emitted, finish = [], []
         for i in range(B):
-            toks = windows[i][: accepted[i] + 1]
+            toks = [windows[i][j] for j in paths[i]]
             reason = None
             for n, tok in enumerate(toks):
                 self._num_tokens[i] += 1
@@ -288,11 +328,12 @@ class SpecGenerationBatch(GenerationBatch):
                     break
             emitted.append(toks)
             finish.append(reason)
+        keep_paths(self.prompt_cache, W, paths)
         rollback(self.prompt_cache, [W - len(t) for t in emitted])
         responses, keep = [], []
         prev_lps = self._next_logprobs
         for i, row in enumerate(self.rows):
-            toks, k, a = emitted[i], len(drafts[i]), accepted[i]
+            toks, k, a = emitted[i], sizes[i] - 1, accepted[i]
             self.tokens[i].extend(toks)
             if self.logits_processors[i]:
                 self._token_context[i].update_and_fetch(mx.array(toks, mx.int32))
@@ -303,7 +344,8 @@ class SpecGenerationBatch(GenerationBatch):
                 st.draft_rounds += 1
                 st.drafted += k
                 st.accepted += min(a, len(toks) - 1)
-                row.observe(k, a)
+                st.tree_rounds += branching[i]
+                row.observe(k, a, rejected[i])
             row_lps = [prev_lps[i]] + [lps[i][j] for j in range(len(toks) - 1)]
             for n, tok in enumerate(toks):
                 last = n == len(toks) - 1
@@ -320,7 +362,8 @@ class SpecGenerationBatch(GenerationBatch):
                 )
             if finish[i] is None:
                 keep.append(i)
-                self._guard(row, self.spec.drafter.accept, row.ctx, drafts[i][:a] + [targets[i]], a)
+                kept = [windows[i][j] for j in paths[i][1:]] + [targets[i]]
+                self._guard(row, self.spec.drafter.accept, row.ctx, kept, a)
                 row.told = len(self.tokens[i]) + 1
         self._current_tokens = mx.array(pending, mx.uint32)
         self._current_logprobs = list(prev_lps)

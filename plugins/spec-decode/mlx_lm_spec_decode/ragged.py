@@ -79,6 +79,14 @@ class RaggedKVCache(BatchKVCache):
         new = mx.arange(self._idx)[None] >= (self._idx - rest_arr)[:, None]
         self.holes = new if self.holes is None else (self._holes(self._idx) | new)
 
+    def gather_window(self, width: int, order: mx.array) -> None:
+        """Reorder each row's last ``width`` entries: slot j takes entry
+        ``order[i, j]`` (a token tree's accepted path moves to the front)."""
+        s, e = self._idx - width, self._idx
+        take = order[:, None, :, None]
+        self.keys[..., s:e, :] = mx.take_along_axis(self.keys[..., s:e, :], take, axis=2)
+        self.values[..., s:e, :] = mx.take_along_axis(self.values[..., s:e, :], take, axis=2)
+
     def hole_count(self) -> int:
         if self.holes is None:
             return 0
@@ -154,6 +162,16 @@ def ragged(caches: List[Any]) -> Optional[List[RaggedKVCache]]:
     if not all(type(c) in (BatchKVCache, RaggedKVCache) for c in caches):
         return None
     return [RaggedKVCache.of(c) for c in caches]
+
+
+def keep_paths(caches: List[RaggedKVCache], width: int, paths: List[List[int]]) -> None:
+    """Row i's window entries ``paths[i]`` (window indices, increasing) move
+    to the front of its window, in order; the rollback then drops the rest."""
+    if all(p == list(range(len(p))) for p in paths):
+        return
+    order = mx.array([p + [j for j in range(width) if j not in set(p)] for p in paths], mx.int32)
+    for c in caches:
+        c.gather_window(width, order)
 
 
 def rollback(caches: List[RaggedKVCache], drop: List[int]) -> None:

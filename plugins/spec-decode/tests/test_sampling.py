@@ -40,6 +40,8 @@ def chi2_critical(df, z=3.09):  # upper 0.1% point (Wilson-Hilferty)
 
 
 def chi2(counts, probs, n):
+    outside = sum(c for k, c in counts.items() if k not in probs)
+    assert outside == 0, f"{outside} draws outside the support"
     keys = sorted(probs, key=probs.get, reverse=True)
     big = [k for k in keys if probs[k] * n >= 5]
     rest = [k for k in keys if k not in big]
@@ -49,7 +51,13 @@ def chi2(counts, probs, n):
     if other_p * n >= 5:
         stat += (other_c - other_p * n) ** 2 / (other_p * n)
         return stat, len(big)
-    assert other_c <= 5, f"{other_c} draws outside the support"
+    if other_p == 0:
+        return stat, len(big) - 1
+    # Too rare for a bin of their own: pooled with the least likely big one.
+    k = big[-1]
+    stat -= (counts.get(k, 0) - probs[k] * n) ** 2 / (probs[k] * n)
+    pooled_p, pooled_c = probs[k] + other_p, counts.get(k, 0) + other_c
+    stat += (pooled_c - pooled_p * n) ** 2 / (pooled_p * n)
     return stat, len(big) - 1
 
 

@@ -1,0 +1,239 @@
+"""Token trees in the batched server: each row's drafted alternatives fill
+the verify window that the batch pays for anyway.
+
+A batched round verifies ``[B, W]`` windows, W set by the controller from
+the rows' chains (``batch_verify.BatchController``). A row whose chain is
+shorter than ``W - 1`` would feed padding in the rest of its window: with a
+tree drafter (``draft_tree``: n-gram, suffix) those slots carry the row's
+next most likely nodes instead (by estimated acceptance: the drafter's
+share of the node times the row's acceptance per level, a parent before its
+children). A branch therefore costs the batch nothing it was not already
+paying; a row with nothing else to propose keeps its chain.
+
+The forward is mlx-lm's batched one with two things swapped for its
+duration, as ``tree.attention`` does for one request:
+
+- rope: row b's node j sits at ``offset[b] + depth[b][j]`` (the nodes move
+  into the batch axis, where mlx-lm's rope takes one offset per row);
+- attention: node j of row b sees the cache and its own ancestors (the
+  batch's mask, itself ragged, and an ancestor mask over the window).
+
+Acceptance follows each row's target down its tree (``tree_verify``'s
+rules: greedy, the request's own sampler, or recursive rejection over
+siblings at temperature > 0), and ``ragged.RaggedKVCache.gather_window``
+moves the accepted path's entries to the front of the row's window before
+the usual ragged rollback drops the rest.
+"""
+
+import contextlib
+import logging
+import weakref
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from mlx_lm_ext import host
+
+from . import sampling, tree_verify
+from . import tree as tree_mod
+
+log = logging.getLogger("mlx_lm_spec_decode")
+
+
+class RowTree:
+    """One row's drafted trie: ``tokens``/``parents`` (root = the pending
+    token, unset here), each node's estimated acceptance, and its chain."""
+
+    def __init__(self, paths: List[Tuple[List[int], float]], alpha: float, room: int):
+        self.tokens, self.parents, shares = tree_mod.trie(paths)
+        depth = tree_mod.depths(self.parents)
+        self.probs = [s * alpha**d for s, d in zip(shares, depth, strict=True)]
+        chain = tree_mod.select(self.parents, self.probs, room, None)
+        self.chain = [self.tokens[i] for i in chain[1:]]
+
+    def fill(self, width: int) -> Tuple[List[int], List[int]]:
+        """The ``width - 1`` most likely nodes (closed under parents), as
+        ``(drafted tokens, parents)`` with the root at index 0 of parents."""
+        order = sorted(range(1, len(self.parents)), key=lambda i: (-self.probs[i], i))
+        keep = {0}
+        for i in order:
+            if len(keep) >= width:
+                break
+            if self.parents[i] in keep and self.probs[i] > 0:
+                keep.add(i)
+        tokens, parents = tree_mod.subtree(self.tokens, self.parents, sorted(keep))
+        return tokens[1:], parents
+
+
+def drafts_trees(drafter: Any) -> bool:
+    """Whether ``drafter`` proposes trees the batched rounds can use: the
+    same rule as one request's (``tree_verify.TreeRounds.start``)."""
+    if not getattr(drafter, "tree", False) or not callable(getattr(drafter, "draft_tree", None)):
+        return False
+    owner = tree_verify._owner
+    if not issubclass(owner(type(drafter), "draft_tree"), owner(type(drafter), "draft")):
+        return False  # a subclass that changed draft() alone: its chains
+    return not getattr(drafter, "needs_hidden", False)
+
+
+# ------------------------------------------------------------ the forward
+
+
+@contextlib.contextmanager
+def attention(model: Any, parents: List[List[int]]) -> Iterator[None]:
+    """Within the block, a batched forward of ``model`` over ``[B, W]`` is a
+    tree forward per row (``parents[b]``: W entries, a parent before its child)."""
+    B, W = len(parents), len(parents[0])
+    depth = mx.array([tree_mod.depths(p) for p in parents], mx.int32)
+    anc = mx.stack([tree_mod.ancestors(p) for p in parents])[:, None]
+
+    def rope(orig):
+        def rotate(x, offset=0):
+            if (
+                x.ndim != 4
+                or x.shape[0] != B
+                or x.shape[2] != W
+                or not isinstance(offset, mx.array)
+                or offset.size != B
+            ):
+                return orig(x, offset=offset)
+            H, D = x.shape[1], x.shape[3]
+            flat = x.transpose(0, 2, 1, 3).reshape(B * W, H, 1, D)
+            pos = (offset.reshape(B, 1) + depth).reshape(-1)
+            return orig(flat, offset=pos).reshape(B, W, H, D).transpose(0, 2, 1, 3)
+
+        return rotate
+
+    def sdpa(orig):
+        def tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+            if (
+                sinks is not None
+                or queries.shape[0] != B
+                or queries.shape[2] != W
+                or not isinstance(mask, mx.array)
+            ):
+                return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+            s = keys.shape[2]
+            full = mx.concatenate([mx.ones((B, 1, W, s - W), mx.bool_), anc], axis=-1)
+            return orig(queries, keys, values, cache=cache, scale=scale, mask=mask & full)
+
+        return tree_sdpa
+
+    with host.override_rope(host.rope_modules(model), rope):
+        with host.override_attention(model, sdpa):
+            yield
+
+
+def forward(model: Any, caches: List[Any], windows: List[List[int]], parents: List[List[int]]):
+    """Logits ``[B, W, V]`` of one batched tree forward."""
+    with attention(model, parents):
+        return model(mx.array(windows, mx.uint32), cache=caches)
+
+
+# ------------------------------------------------------------ acceptance
+
+
+def verify(
+    logits: mx.array,
+    windows: List[List[int]],
+    parents: List[List[int]],
+    sizes: List[int],
+    rules: List[Any],
+    processors: List[Sequence[Any]],
+    contexts: List[Optional[mx.array]],
+) -> Tuple[List[mx.array], List[List[int]], List[int], List[bool]]:
+    """Per row: log-probabilities along the accepted path (``[a + 1, V]``),
+    the path (window indices, the pending token's 0 first), the token after
+    it, and whether a drafted node below the path's end was rejected.
+    ``sizes[i]``: the row's nodes (its pending token included); the rest of
+    its window is padding."""
+    B = logits.shape[0]
+    lps, draws = [], []
+    for i in range(B):
+        n, rule = sizes[i], rules[i]
+        toks, par = windows[i][:n], parents[i][:n]
+        # Processors see the row's tokens through each node: its context
+        # holds what the cache holds, the pending token (the root) follows.
+        ctx = (contexts[i].tolist() if contexts[i] is not None else []) + toks[:1]
+        lp = tree_verify.tree_logprobs(logits[i, :n], processors[i], ctx, toks, par)
+        lps.append(lp)
+        if rule.kind == "explicit":
+            draws.append(tree_verify.sampled_draws(lp, toks, par, rule.temp, rule.filt))
+        elif rule.kind == "greedy":
+            draws.append((mx.argmax(lp, axis=-1),))
+        else:
+            if not rule.checked:
+                sampling.check_sampler(rule.sampler, lp.shape[-1])
+                rule.checked = True
+            draws.append((sampling.verify_match(lp, rule.sampler),))
+    mx.eval(lps, draws)
+    out_lps, paths, targets, rejected = [], [], [], []
+    for i in range(B):
+        n, par = sizes[i], parents[i][: sizes[i]]
+        if rules[i].kind == "explicit":
+            path, tok = tree_verify.accept_sampled(*(d.tolist() for d in draws[i]), par)
+        else:
+            path, tok = tree_verify.accept_path(draws[i][0].tolist(), windows[i][:n], par)
+        out_lps.append(lps[i][mx.array(path, mx.int32)])
+        paths.append(path)
+        targets.append(int(tok))
+        rejected.append(bool(tree_mod.children(par)[path[-1]]))
+    return out_lps, paths, targets, rejected
+
+
+# ------------------------------------------------- does this model fit
+
+_CHECKED: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def tree_ok(model: Any) -> bool:
+    """Whether a batched tree forward of ``model`` equals chain forwards over
+    its paths (checked once per loaded model: two rows, one left-padded)."""
+    try:
+        return _CHECKED[model]
+    except KeyError:
+        pass
+    except TypeError:
+        return _check(model)
+    ok = _CHECKED[model] = _check(model)
+    if not ok:
+        log.info(
+            "spec-decode: this model's attention does not take a batched token tree; "
+            "the batched server drafts chains"
+        )
+    return ok
+
+
+def _check(model: Any) -> bool:
+    if not host.rope_modules(model):
+        return False
+    prompts = [[1, 2, 3, 4], [7, 3]]
+    windows = [[5, 9, 6, 8, 7, 3], [4, 6, 2, 0, 0, 0]]
+    parents = [[-1, 0, 0, 2, 2, 1], [-1, 0, 1, 2, 3, 4]]
+    try:
+        caches = _batch_cache(model, prompts)
+        logits = forward(model, caches, windows, parents)
+        for b, leaf in ((0, 4), (0, 5), (1, 2)):
+            path = tree_mod.path_to(parents[b], leaf)
+            seq = prompts[b] + [windows[b][i] for i in path]
+            ref = model(mx.array(seq, mx.uint32)[None])[0, len(prompts[b]) :]
+            got = logits[b][mx.array(path)]
+            scale = mx.abs(ref).max().item() + 1e-6
+            if mx.abs(got - ref).max().item() > 1e-2 * scale:
+                return False
+        return True
+    except Exception as e:  # an architecture the tree forward cannot run: chains
+        log.debug(f"spec-decode: batched tree check failed: {e}")
+        return False
+
+
+def _batch_cache(model: Any, prompts: List[List[int]]) -> List[BatchKVCache]:
+    """A batch cache holding ``prompts`` left-padded, as mlx-lm's batching does."""
+    n = max(len(p) for p in prompts)
+    pad = [n - len(p) for p in prompts]
+    caches = [BatchKVCache(pad) for _ in make_prompt_cache(model)]
+    model(
+        mx.array([[0] * k + p for k, p in zip(pad, prompts, strict=True)], mx.uint32), cache=caches
+    )
+    return caches
