@@ -42,6 +42,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from . import batch_tree
 from . import stats as stats_mod
+from . import target as target_mod
 from . import tree as tree_mod
 from .batch_verify import BatchController, RowRule, verify
 from .drafter import DraftContext
@@ -197,12 +198,11 @@ class SpecGenerationBatch(GenerationBatch):
             d.accept(row.ctx, list(history[row.told :]), 0)
         row.told = len(history)
 
-    def _propose(self, pending: List[int]) -> Tuple[List[List[int]], List[Any]]:
+    def _propose(self, pending: List[int], use_trees: bool) -> Tuple[List[List[int]], List[Any]]:
         """Each row's chain of drafts and, with a tree drafter, its trie
         (``batch_tree.RowTree``) when it holds more than the chain."""
         out, trees = [], []
         gmax, d = self.spec.ctl.gmax, self.spec.drafter
-        use_trees = self.spec.trees
         for i, row in enumerate(self.rows):
             room = min(gmax, self.max_tokens[i] - self._num_tokens[i] - 1)
             history = self.tokens[i] + [pending[i]]
@@ -244,8 +244,9 @@ class SpecGenerationBatch(GenerationBatch):
                 row.stats.fallback = spec.no_draft
             return self._plain()
         pending = self._next_tokens.tolist()
+        use_trees = spec.trees  # the model's check runs once, before any round is timed
         t0 = time.perf_counter()
-        drafts, trees = self._propose(pending)
+        drafts, trees = self._propose(pending, use_trees)
         lengths = [len(d) for d in drafts]
         if not any(lengths):
             # Nothing to propose: a plain step, and after a few in a row
@@ -300,14 +301,21 @@ class SpecGenerationBatch(GenerationBatch):
             self._token_context[i].tokens if self.logits_processors[i] else None for i in range(B)
         ]
         rules = [r.rule for r in self.rows]
+        # On a CUDA GPU in half precision the window's attention runs as
+        # matmuls: the fused op there builds a cuDNN graph per cache length.
+        policy = target_mod.attention_policy()
+        policy = "explicit" if policy == "padded" else policy  # padded: plain caches only
         if any(branching):
-            logits = batch_tree.forward(self.model, self.prompt_cache, windows, parents)
+            logits = batch_tree.forward(self.model, self.prompt_cache, windows, parents, policy)
+        else:
+            with target_mod.verify_attention(self.model, W, policy):
+                logits = self.model(mx.array(windows, mx.uint32), cache=self.prompt_cache)
+        if any(branching):
             lps, paths, targets, rejected = batch_tree.verify(
                 logits, windows, parents, sizes, rules, self.logits_processors, contexts
             )
             accepted = [len(p) - 1 for p in paths]
         else:
-            logits = self.model(mx.array(windows, mx.uint32), cache=self.prompt_cache)
             lps, accepted, targets = verify(
                 logits, windows, drafts, rules, self.logits_processors, contexts
             )

@@ -36,6 +36,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm_ext import host
 
 from . import sampling, tree_verify
+from . import target as target_mod
 from . import tree as tree_mod
 
 log = logging.getLogger("mlx_lm_spec_decode")
@@ -81,9 +82,10 @@ def drafts_trees(drafter: Any) -> bool:
 
 
 @contextlib.contextmanager
-def attention(model: Any, parents: List[List[int]]) -> Iterator[None]:
+def attention(model: Any, parents: List[List[int]], policy: str = "fused") -> Iterator[None]:
     """Within the block, a batched forward of ``model`` over ``[B, W]`` is a
-    tree forward per row (``parents[b]``: W entries, a parent before its child)."""
+    tree forward per row (``parents[b]``: W entries, a parent before its child).
+    ``policy``: the fused op, or (``explicit``) matmuls, as ``target`` says."""
     B, W = len(parents), len(parents[0])
     depth = mx.array([tree_mod.depths(p) for p in parents], mx.int32)
     anc = mx.stack([tree_mod.ancestors(p) for p in parents])[:, None]
@@ -116,7 +118,9 @@ def attention(model: Any, parents: List[List[int]]) -> Iterator[None]:
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
             s = keys.shape[2]
             full = mx.concatenate([mx.ones((B, 1, W, s - W), mx.bool_), anc], axis=-1)
-            return orig(queries, keys, values, cache=cache, scale=scale, mask=mask & full)
+            if policy == "fused":
+                return orig(queries, keys, values, cache=cache, scale=scale, mask=mask & full)
+            return target_mod.explicit_attention(queries, keys, values, scale, mask & full)
 
         return tree_sdpa
 
@@ -125,9 +129,15 @@ def attention(model: Any, parents: List[List[int]]) -> Iterator[None]:
             yield
 
 
-def forward(model: Any, caches: List[Any], windows: List[List[int]], parents: List[List[int]]):
+def forward(
+    model: Any,
+    caches: List[Any],
+    windows: List[List[int]],
+    parents: List[List[int]],
+    policy: str = "fused",
+):
     """Logits ``[B, W, V]`` of one batched tree forward."""
-    with attention(model, parents):
+    with attention(model, parents, policy):
         return model(mx.array(windows, mx.uint32), cache=caches)
 
 

@@ -6,6 +6,7 @@ server with equal caches, and sampled rows still follow the target."""
 from collections import Counter
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import apply_top_k, make_logits_processors, make_sampler
 from test_batch import TEXT, assert_same, closed_stats, drive, llama, prompts_of  # noqa: F401
@@ -55,7 +56,11 @@ def test_batched_tree_forward_equals_chain_forwards(llama, monkeypatch):  # noqa
         assert not batch_tree._check(model)
 
 
-def test_greedy_tree_rows_match_stock_tokens_and_caches(llama):  # noqa: F811
+@pytest.mark.parametrize("policy", ["fused", "explicit"])
+def test_greedy_tree_rows_match_stock_tokens_and_caches(llama, policy, monkeypatch):  # noqa: F811
+    """``explicit``: the window's attention as matmuls, as on a CUDA GPU in
+    half precision (the tree's mask and positions go through it)."""
+    monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", policy)
     model, tok = llama
     prompts = prompts_of(tok)
     procs = [None, make_logits_processors(repetition_penalty=1.5), None]
