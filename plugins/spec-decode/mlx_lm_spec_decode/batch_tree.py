@@ -107,6 +107,8 @@ def attention(model: Any, parents: List[List[int]], policy: str = "fused") -> It
 
         return rotate
 
+    combined: dict = {}  # one mask per forward, shared by its layers
+
     def sdpa(orig):
         def tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
             if (
@@ -117,10 +119,14 @@ def attention(model: Any, parents: List[List[int]], policy: str = "fused") -> It
             ):
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
             s = keys.shape[2]
-            full = mx.concatenate([mx.ones((B, 1, W, s - W), mx.bool_), anc], axis=-1)
+            key = (id(mask), s)
+            if key not in combined:
+                full = mx.concatenate([mx.ones((B, 1, W, s - W), mx.bool_), anc], axis=-1)
+                combined[key] = (mask, mask & full)  # the mask is held: its id stays its own
+            both = combined[key][1]
             if policy == "fused":
-                return orig(queries, keys, values, cache=cache, scale=scale, mask=mask & full)
-            return target_mod.explicit_attention(queries, keys, values, scale, mask & full)
+                return orig(queries, keys, values, cache=cache, scale=scale, mask=both)
+            return target_mod.explicit_attention(queries, keys, values, scale, both)
 
         return tree_sdpa
 
@@ -159,6 +165,8 @@ def verify(
     ``sizes[i]``: the row's nodes (its pending token included); the rest of
     its window is padding."""
     B = logits.shape[0]
+    if not any(processors) and all(r.kind == "greedy" for r in rules):
+        return _greedy(logits, windows, parents, sizes)
     lps, draws = [], []
     for i in range(B):
         n, rule = sizes[i], rules[i]
@@ -186,6 +194,26 @@ def verify(
         else:
             path, tok = tree_verify.accept_path(draws[i][0].tolist(), windows[i][:n], par)
         out_lps.append(lps[i][mx.array(path, mx.int32)])
+        paths.append(path)
+        targets.append(int(tok))
+        rejected.append(bool(tree_mod.children(par)[path[-1]]))
+    return out_lps, paths, targets, rejected
+
+
+def _greedy(logits, windows, parents, sizes):
+    """``verify`` for greedy rows without processors: one log-softmax and one
+    argmax for the batch (a GPU launches a handful of kernels, not B times
+    as many), then each row's walk down its tree in Python."""
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    best = mx.argmax(lp, axis=-1)
+    mx.eval(lp, best)
+    out_lps, paths, targets, rejected = [], [], [], []
+    for i, t in enumerate(best.tolist()):
+        n, par = sizes[i], parents[i][: sizes[i]]
+        path, tok = tree_verify.accept_path(t[:n], windows[i][:n], par)
+        m = len(path)
+        contiguous = path == list(range(m))
+        out_lps.append(lp[i, :m] if contiguous else lp[i][mx.array(path, mx.int32)])
         paths.append(path)
         targets.append(int(tok))
         rejected.append(bool(tree_mod.children(par)[path[-1]]))
