@@ -51,7 +51,9 @@ from .ragged import keep_paths, ragged, rollback
 log = logging.getLogger("mlx_lm_spec_decode")
 
 MISS_RUN = 4  # proposal-less rounds in a row before plain steps come in doubling runs
-COST_RUN = 8  # plain steps after the cost model said drafting does not pay
+COST_RUN = 8  # plain steps after the cost model said drafting does not pay (doubling
+# while it keeps saying so, up to 64: each decision reads the pending tokens back,
+# which on a GPU stalls the pipelined steps)
 
 
 class Row:
@@ -139,6 +141,7 @@ class SpecGenerationBatch(GenerationBatch):
         self.rows: List[Row] = []
         self.plain_left = 0  # plain steps to run before the next drafting decision
         self.misses = 0
+        self.declined = 0  # drafting decisions in a row that chose γ = 0
         self.last_plain_b = 0  # batch size of the previous call, if it was a pipelined plain step
         self.steps = 0  # plain steps run (each row's figures catch up when it leaves)
         super().__init__(*args, **kwargs)
@@ -260,8 +263,10 @@ class SpecGenerationBatch(GenerationBatch):
             for i, row in enumerate(self.rows):
                 if drafts[i]:
                     row.guess = (len(self.tokens[i]) + 1, drafts[i])
-            self.plain_left = COST_RUN
+            self.plain_left = COST_RUN << min(self.declined, 3)
+            self.declined += 1
             return self._plain()
+        self.declined = 0
         self.prompt_cache = caches
         return self._round(pending, [d[:gamma] for d in drafts], trees, t0)
 
@@ -289,7 +294,7 @@ class SpecGenerationBatch(GenerationBatch):
         windows, parents, sizes = [], [], []
         for i, d in enumerate(drafts):
             par = list(range(-1, len(d)))
-            if trees[i] is not None:
+            if trees[i] is not None and self.spec.ctl.trees_pay(B):
                 nodes, tpar = trees[i].fill(W)
                 if not tree_mod.is_chain(tpar):
                     d, par = nodes, tpar
@@ -377,7 +382,7 @@ class SpecGenerationBatch(GenerationBatch):
         self._current_logprobs = list(prev_lps)
         self._next_tokens = mx.array(targets, mx.uint32)
         self._next_logprobs = [lps[i][accepted[i]] for i in range(B)]
-        self.spec.ctl.verify_round(B, W, time.perf_counter() - t0)
+        self.spec.ctl.verify_round(B, W, time.perf_counter() - t0, any(branching))
         self.last_plain_b = 0
         if len(keep) < B:
             self.filter(keep)

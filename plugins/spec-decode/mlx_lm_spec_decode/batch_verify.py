@@ -7,9 +7,13 @@ sampler and logits processors (the rules of ``sampling``: greedy match,
 lossless speculative sampling, or sample-and-match).
 
 ``BatchController`` picks the draft length γ for a round from the loop's own
-timings: per batch size B, the cost of a plain step and how much each extra
-window column adds, against the tokens each row is expected to gain from
-its drafts at its measured acceptance. γ = 0 (a plain batched step) wins
+timings: per batch size B, the cost of a plain step, what a verify round
+costs beyond it whatever its width (the round is read back before the next
+is built, where plain steps overlap; its Python work), and how much each
+extra window column adds, against the tokens each row is expected to gain
+from its drafts at its measured acceptance. Rounds that verified branching
+token trees are timed apart: where a tree costs more than a chain of its
+width (a GPU's extra kernels), rows draft chains. γ = 0 (a plain batched step) wins
 whenever drafting does not pay, so a batch never decodes slower than the
 plain batched loop by more than the measurements' noise.
 """
@@ -143,6 +147,8 @@ class BatchController:
     SLACK = 1.05  # drafting must promise this much more throughput than plain steps
     REPROBE = 48  # verify rounds at one batch size between plain re-measurements
     OWN = 8  # verify rounds at a batch size on a neighbour's plain cost before its own
+    TREE_SLACK = 0.05  # a tree round may cost this much of a plain step beyond a chain's
+    TREE_RETRY = 32  # chain rounds between tree rounds once trees were found dear
 
     def __init__(self, gamma: int, gmax: int, adaptive: bool = True, auto_off: bool = True):
         self.gmax = max(1, gmax)
@@ -151,6 +157,8 @@ class BatchController:
         self.plain: Dict[int, deque] = {}
         self.verify: Dict[int, deque] = {}  # B -> (window width, seconds)
         self.rounds: Dict[int, int] = {}
+        self.tree_cost: Dict[int, deque] = {}  # B -> a tree round's seconds beyond a chain's
+        self.since_tree: Dict[int, int] = {}
 
     def needs_plain(self, B: int) -> bool:
         """Whether plain steps at this batch size must be timed before deciding."""
@@ -168,9 +176,30 @@ class BatchController:
             q.clear()  # a fresh reading: the machine's load changes
         q.append(seconds)
 
-    def verify_round(self, B: int, width: int, seconds: float) -> None:
-        self.verify.setdefault(B, deque(maxlen=self.SAMPLES)).append((width, seconds))
+    def verify_round(self, B: int, width: int, seconds: float, tree: bool = False) -> None:
         self.rounds[B] = self.rounds.get(B, 0) + 1
+        if not tree:
+            self.verify.setdefault(B, deque(maxlen=self.SAMPLES)).append((width, seconds))
+            self.since_tree[B] = self.since_tree.get(B, 0) + 1
+            return
+        self.since_tree[B] = 0
+        cost = self.cost(B)
+        if cost is not None:
+            p, extra, b = cost
+            chain = p + extra + b * (width - 1)
+            self.tree_cost.setdefault(B, deque(maxlen=self.SAMPLES)).append(seconds - chain)
+
+    def trees_pay(self, B: int) -> bool:
+        """Whether rows may fill their windows with tree nodes: until a few
+        tree rounds are timed, and while the fastest costs about a chain's
+        price; once found dear, one tree round every ``TREE_RETRY``."""
+        near = self._near(self.tree_cost, B, 3)
+        if near is None:
+            return True
+        bp = self._near(self.plain, near, 1)
+        if bp is None or min(self.tree_cost[near]) <= self.TREE_SLACK * min(self.plain[bp]):
+            return True
+        return self.since_tree.get(B, 0) >= self.TREE_RETRY
 
     @staticmethod
     def _near(table: Dict[int, deque], B: int, need: int) -> Optional[int]:
@@ -181,16 +210,33 @@ class BatchController:
             return None
         return B if B in have else min(have, key=lambda k: (abs(k - B), -k))
 
-    def cost(self, B: int) -> Optional[Tuple[float, float]]:
-        """``(p, b)``: seconds of a plain step and of each extra window column."""
+    def cost(self, B: int) -> Optional[Tuple[float, float, float]]:
+        """``(p, extra, b)``: seconds of a plain step, of a verify round beyond
+        it at any width, and of each extra window column.
+
+        From the fastest round at each width measured: with two widths or
+        more, a line through them (least squares) whose intercept, less the
+        plain step, is ``extra`` (never below 0); with one, ``extra`` is 0 and
+        that round's excess is all columns (an upper bound per column)."""
         bp, bv = self._near(self.plain, B, 1), self._near(self.verify, B, self.EXPLORE)
         if bp is None or bv is None:
             return None
         p = min(self.plain[bp])
         pv = min(self.plain[self._near(self.plain, bv, 1)])
-        b = max(0.0, min((t - pv) / (w - 1) for w, t in self.verify[bv]))
+        best: Dict[int, float] = {}
+        for w, t in self.verify[bv]:
+            best[w] = min(t, best.get(w, t))
+        extra, b = 0.0, max(0.0, min((t - pv) / (w - 1) for w, t in best.items()))
+        if len(best) >= 2:
+            xs, ys = [w - 1 for w in best], list(best.values())
+            mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+                (x - mx_) ** 2 for x in xs
+            )
+            if slope >= 0 and my - slope * mx_ >= pv:
+                extra, b = my - slope * mx_ - pv, slope
         # Measured on fewer rows, a column costs at most proportionally more.
-        return p, b * max(1.0, B / bv)
+        return p, extra, b * max(1.0, B / bv)
 
     def choose(self, B: int, proposed: List[int], alphas: List[float]) -> int:
         """Draft length for this round (0: a plain batched step)."""
@@ -202,14 +248,14 @@ class BatchController:
         cost = self.cost(B) if self.auto_off else None
         if cost is None:
             return min(self.gamma, top)  # explore (or no switch-off asked for)
-        p, b = cost
+        p, extra, b = cost
         plain_rate = B / p
         best, best_rate = 0, plain_rate * self.SLACK
         for g in range(1, min(self.gmax, top) + 1):
             tokens = sum(
                 expected_tokens(a, min(g, n)) for a, n in zip(alphas, proposed, strict=True)
             )
-            rate = tokens / (p + b * g)
+            rate = tokens / (p + extra + b * g)
             if rate > best_rate:
                 best, best_rate = g, rate
         if best:

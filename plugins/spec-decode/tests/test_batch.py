@@ -209,7 +209,7 @@ def test_controller_picks_the_faster_option_and_borrows_a_neighbours_costs():
     assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) == 3  # explores before it knows
     ctl.verify_round(4, 4, 0.40)
     ctl.verify_round(4, 4, 0.30)  # the fastest counts: a column costs 1/15 s
-    assert ctl.cost(4) == pytest.approx((0.10, 0.2 / 3))
+    assert ctl.cost(4) == pytest.approx((0.10, 0.0, 0.2 / 3))  # one width: no intercept
     # Right 9 times in 10 drafting pays; 3 in 10 it does not.
     assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) > 0
     assert ctl.choose(4, [3, 3, 3, 3], [0.3] * 4) == 0
@@ -217,13 +217,45 @@ def test_controller_picks_the_faster_option_and_borrows_a_neighbours_costs():
     # A batch size seen for the first time decides at once from its neighbour's
     # costs (a column scaled up for more rows), then times its own plain steps.
     assert not ctl.needs_plain(6)
-    assert ctl.cost(6) == pytest.approx((0.10, 0.1))
+    assert ctl.cost(6) == pytest.approx((0.10, 0.0, 0.1))
     for _ in range(BatchController.OWN):
         ctl.verify_round(6, 2, 0.2)
     assert ctl.needs_plain(6)
     ctl.plain_step(6, 0.2)
     ctl.plain_step(6, 0.2)
     assert not ctl.needs_plain(6) and ctl.cost(6)[0] == 0.2
+
+
+def test_controller_fits_a_rounds_fixed_cost_and_times_trees_apart():
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    ctl = BatchController(3, 8)
+    ctl.plain_step(2, 0.010)
+    # A GPU-like round: 8 ms beyond a plain step at any width, 0.5 ms a column.
+    for w in (2, 4, 8, 8):
+        ctl.verify_round(2, w, 0.018 + 0.0005 * (w - 1))
+    p, extra, b = ctl.cost(2)
+    assert (p, extra, b) == pytest.approx((0.010, 0.008, 0.0005))
+    # Two rows at 50% gain ~0.9 tokens each a round: worth it at 0.5 ms a column
+    # alone, not with the round's fixed 8 ms (the per-column reading alone,
+    # 1.6 ms from the widest round, would have drafted).
+    assert ctl.choose(2, [4, 4], [0.5, 0.5]) == 0
+    assert ctl.choose(2, [8, 8], [0.95, 0.95]) > 0
+    # Trees: free until timed; dear once three rounds cost well beyond a chain.
+    assert ctl.trees_pay(2)
+    for _ in range(3):
+        ctl.verify_round(2, 4, 0.030, tree=True)
+    assert not ctl.trees_pay(2)
+    for _ in range(BatchController.TREE_RETRY):
+        ctl.verify_round(2, 4, 0.0195)
+    assert ctl.trees_pay(2)  # one more tree round, to see whether that changed
+    cheap = BatchController(3, 8)
+    cheap.plain_step(2, 0.010)
+    for w in (2, 4):
+        cheap.verify_round(2, w, 0.010 + 0.002 * (w - 1))
+    for _ in range(3):
+        cheap.verify_round(2, 4, 0.016, tree=True)
+    assert cheap.trees_pay(2)
 
 
 def test_unverified_drafts_still_teach_the_rows_acceptance():
