@@ -19,6 +19,7 @@ plain batched loop by more than the measurements' noise.
 """
 
 from collections import deque
+from statistics import fmean
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -141,7 +142,8 @@ class BatchController:
     own plain steps once it has run ``OWN`` rounds on borrowed figures.
     """
 
-    SAMPLES = 8  # recent timings kept per batch size (the fastest are the truest)
+    SAMPLES = 8  # recent timings kept per batch size; their means are compared (a GPU's
+    # rounds stall now and then for tens of ms: throughput pays those stalls too)
     PROBE = 3  # plain steps in a row that time one (the first of a run is not timed)
     EXPLORE = 2  # verify rounds timed before the cost model decides
     SLACK = 1.05  # drafting must promise this much more throughput than plain steps
@@ -191,13 +193,13 @@ class BatchController:
 
     def trees_pay(self, B: int) -> bool:
         """Whether rows may fill their windows with tree nodes: until a few
-        tree rounds are timed, and while the fastest costs about a chain's
+        tree rounds are timed, and while they cost about a chain's
         price; once found dear, one tree round every ``TREE_RETRY``."""
         near = self._near(self.tree_cost, B, 3)
         if near is None:
             return True
         bp = self._near(self.plain, near, 1)
-        if bp is None or min(self.tree_cost[near]) <= self.TREE_SLACK * min(self.plain[bp]):
+        if bp is None or fmean(self.tree_cost[near]) <= self.TREE_SLACK * fmean(self.plain[bp]):
             return True
         return self.since_tree.get(B, 0) >= self.TREE_RETRY
 
@@ -214,22 +216,19 @@ class BatchController:
         """``(p, extra, b)``: seconds of a plain step, of a verify round beyond
         it at any width, and of each extra window column.
 
-        From the fastest round at each width measured: with two widths or
-        more, a line through them (least squares) whose intercept, less the
-        plain step, is ``extra`` (never below 0); with one, ``extra`` is 0 and
-        that round's excess is all columns (an upper bound per column)."""
+        From the recent rounds: with two widths or more, a line through
+        them (least squares) whose intercept, less the plain step, is
+        ``extra``; otherwise (one width, or a line below the plain step)
+        ``extra`` is 0 and each round's excess is all columns."""
         bp, bv = self._near(self.plain, B, 1), self._near(self.verify, B, self.EXPLORE)
         if bp is None or bv is None:
             return None
-        p = min(self.plain[bp])
-        pv = min(self.plain[self._near(self.plain, bv, 1)])
-        best: Dict[int, float] = {}
-        for w, t in self.verify[bv]:
-            best[w] = min(t, best.get(w, t))
-        extra, b = 0.0, max(0.0, min((t - pv) / (w - 1) for w, t in best.items()))
-        if len(best) >= 2:
-            xs, ys = [w - 1 for w in best], list(best.values())
-            mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        p = fmean(self.plain[bp])
+        pv = fmean(self.plain[self._near(self.plain, bv, 1)])
+        xs, ys = [w - 1 for w, _ in self.verify[bv]], [t for _, t in self.verify[bv]]
+        extra, b = 0.0, max(0.0, fmean((t - pv) / x for x, t in zip(xs, ys, strict=True)))
+        if len(set(xs)) >= 2:
+            mx_, my = fmean(xs), fmean(ys)
             slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
                 (x - mx_) ** 2 for x in xs
             )
