@@ -86,6 +86,13 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         f"(oldest dropped first; about 20 bytes each). Default: {DEFAULT_CORPUS_TOKENS}.",
     )
     group.add_argument(
+        "--suffix-corpus-dir",
+        default=None,
+        help="Keep the suffix drafter's corpus across restarts in this folder "
+        "(DIR/<model fingerprint>/suffix-corpus.npz, saved at most every 30 s and at exit; "
+        "a damaged file is ignored with a warning). Default: not kept.",
+    )
+    group.add_argument(
         "--draft-tree",
         choices=("auto", "off"),
         default="auto",
@@ -111,8 +118,19 @@ def _corpus_tokens(args):
     return n
 
 
+def _corpus_dir(args):
+    d = getattr(args, "suffix_corpus_dir", None)
+    if d is None:
+        return None
+    path = Path(str(d)).expanduser()
+    if not str(d).strip() or (path.exists() and not path.is_dir()):
+        raise PluginError(f"--suffix-corpus-dir must be a folder, got {d!r}")
+    return str(path)
+
+
 def _check(args):
     _corpus_tokens(args)
+    _corpus_dir(args)
     nmin, nmax = getattr(args, "ngram_min", 2), getattr(args, "ngram_max", 4)
     if not (isinstance(nmin, int) and isinstance(nmax, int) and 1 <= nmin <= nmax):
         raise PluginError(f"--ngram-min/--ngram-max: need 1 <= min <= max, got {nmin}, {nmax}")
@@ -199,7 +217,13 @@ def make_drafter(
         return _assistant(model, args, opts)
     if which == "suffix":
         tree = getattr(args, "draft_tree", "auto") != "off"
-        return SuffixDrafter(_corpus_tokens(args), tokenizer=tokenizer, tree=tree, **opts)
+        return SuffixDrafter(
+            _corpus_tokens(args),
+            tokenizer=tokenizer,
+            tree=tree,
+            corpus_dir=_corpus_dir(args),
+            **opts,
+        )
     if which == "ngram":
         if draft_model is not None:
             log.warning("spec-decode: --drafter ngram ignores the --draft-model")

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from . import corpus_store
 from .drafter import DraftContext, Drafter, TokenHistory
 from .scoring import continuations, draft_length, walk
 
@@ -179,6 +180,8 @@ class SuffixCorpus:
     first. Positions are global (they only grow); position ``g`` lives in
     slot ``g % cap`` while ``g >= end - cap``."""
 
+    SEP = SEP
+
     # k = 3: on the replayed agent workload 3 drafts better than 4 or 6
     # (tokens per forward 1.74, 1.68, 1.58): a skeleton's short spans count.
     def __init__(self, cap: int = DEFAULT_CORPUS_TOKENS, k: int = 3):
@@ -186,6 +189,10 @@ class SuffixCorpus:
             raise ValueError(f"need a corpus of at least 2 tokens and k >= 1, got {cap}, {k}")
         self.cap, self.k = cap, k
         self.bits = max(4, (cap - 1).bit_length())  # >= cap buckets
+        self.after_add: Optional[Callable[[], None]] = None  # corpus_store: save when due
+        self.reset()
+
+    def reset(self) -> None:
         self.end = 0  # the next global position
         self.docs = 0
         self.toks: Optional[np.ndarray] = None  # allocated on first add
@@ -223,6 +230,14 @@ class SuffixCorpus:
         self.docs += 1
         if len(doc) > self.k:
             self._index(doc, start)
+        if self.after_add is not None:
+            self.after_add()
+
+    def tokens_in_order(self) -> np.ndarray:
+        """The tokens held, oldest first (a separator before each document)."""
+        if self.toks is None:
+            return np.zeros(0, np.int32)
+        return self.toks[np.arange(self.base, self.end) % self.cap]
 
     def _index(self, doc, start):
         # Position start+i+k follows doc[i:i+k]; same bucket: chain newest first.
@@ -279,13 +294,16 @@ def tokenizer_key(tokenizer: Any) -> Optional[str]:
     return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
 
 
-def corpus_for(model: Any, tok_key: Any, cap: int) -> SuffixCorpus:
+def corpus_for(model: Any, tok_key: Any, cap: int, store: Optional[str] = None) -> SuffixCorpus:
     """This process's corpus for ``model`` (the loaded object) and a
-    tokenizer; forgotten when the model is."""
-    key = (id(model), tok_key, cap)
+    tokenizer; forgotten when the model is. ``store``: a folder where it is
+    kept across restarts (``corpus_store``)."""
+    key = (id(model), tok_key, cap, store)
     corpus = _CORPORA.get(key)
     if corpus is None:
         corpus = _CORPORA[key] = SuffixCorpus(cap)
+        if store is not None:
+            corpus_store.attach(corpus, store, model, tok_key)
         try:
             weakref.finalize(model, _CORPORA.pop, key, None)
         except TypeError:  # not weak-referenceable: kept for the process
@@ -340,6 +358,7 @@ class SuffixDrafter(Drafter):
         adaptive: bool = True,
         auto_off: bool = True,
         tree: bool = True,
+        corpus_dir: Optional[str] = None,
     ):
         if corpus_tokens < 2:
             raise ValueError(f"corpus_tokens must be >= 2, got {corpus_tokens}")
@@ -348,6 +367,7 @@ class SuffixDrafter(Drafter):
         self.corpus_tokens, self.max_draft = corpus_tokens, max_draft
         self.adaptive, self.auto_off, self.tree = adaptive, auto_off, tree
         self.corpus = corpus  # fixed; else the process's corpus for the model
+        self.corpus_dir = corpus_dir  # where that corpus is kept across restarts
         self.tok_key = tokenizer_key(tokenizer) if tokenizer is not None else None
 
     def __repr__(self):
@@ -357,7 +377,7 @@ class SuffixDrafter(Drafter):
         if self.corpus is not None:
             return self.corpus
         vocab = getattr(getattr(model, "args", None), "vocab_size", None)
-        return corpus_for(model, self.tok_key or vocab, self.corpus_tokens)
+        return corpus_for(model, self.tok_key or vocab, self.corpus_tokens, self.corpus_dir)
 
     def make_cache(self) -> list[Any]:
         return [SuffixCache()]
