@@ -19,7 +19,7 @@ plain batched loop by more than the measurements' noise.
 """
 
 from collections import deque
-from statistics import fmean
+from statistics import fmean, median
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -142,8 +142,9 @@ class BatchController:
     own plain steps once it has run ``OWN`` rounds on borrowed figures.
     """
 
-    SAMPLES = 8  # recent timings kept per batch size; their means are compared (a GPU's
-    # rounds stall now and then for tens of ms: throughput pays those stalls too)
+    SAMPLES = 8  # recent timings kept per batch size; their medians are compared: a
+    # GPU's rounds stall often (tens of ms; throughput pays that, the fastest
+    # round hides it), while a CPU shared with other work spikes now and then
     PROBE = 3  # plain steps in a row that time one (the first of a run is not timed)
     EXPLORE = 2  # verify rounds timed before the cost model decides
     SLACK = 1.05  # drafting must promise this much more throughput than plain steps
@@ -199,7 +200,7 @@ class BatchController:
         if near is None:
             return True
         bp = self._near(self.plain, near, 1)
-        if bp is None or fmean(self.tree_cost[near]) <= self.TREE_SLACK * fmean(self.plain[bp]):
+        if bp is None or median(self.tree_cost[near]) <= self.TREE_SLACK * median(self.plain[bp]):
             return True
         return self.since_tree.get(B, 0) >= self.TREE_RETRY
 
@@ -216,18 +217,21 @@ class BatchController:
         """``(p, extra, b)``: seconds of a plain step, of a verify round beyond
         it at any width, and of each extra window column.
 
-        From the recent rounds: with two widths or more, a line through
-        them (least squares) whose intercept, less the plain step, is
-        ``extra``; otherwise (one width, or a line below the plain step)
-        ``extra`` is 0 and each round's excess is all columns."""
+        From the recent rounds' median time at each width: with two widths
+        or more, a line through them (least squares) whose intercept, less
+        the plain step, is ``extra``; otherwise (one width, or a line below
+        the plain step) ``extra`` is 0 and each round's excess is all columns."""
         bp, bv = self._near(self.plain, B, 1), self._near(self.verify, B, self.EXPLORE)
         if bp is None or bv is None:
             return None
-        p = fmean(self.plain[bp])
-        pv = fmean(self.plain[self._near(self.plain, bv, 1)])
-        xs, ys = [w - 1 for w, _ in self.verify[bv]], [t for _, t in self.verify[bv]]
-        extra, b = 0.0, max(0.0, fmean((t - pv) / x for x, t in zip(xs, ys, strict=True)))
-        if len(set(xs)) >= 2:
+        p = median(self.plain[bp])
+        pv = median(self.plain[self._near(self.plain, bv, 1)])
+        widths: Dict[int, List[float]] = {}
+        for w, t in self.verify[bv]:
+            widths.setdefault(w - 1, []).append(t)
+        xs, ys = list(widths), [median(v) for v in widths.values()]
+        extra, b = 0.0, max(0.0, median((t - pv) / x for x, t in zip(xs, ys, strict=True)))
+        if len(xs) >= 2:
             mx_, my = fmean(xs), fmean(ys)
             slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
                 (x - mx_) ** 2 for x in xs

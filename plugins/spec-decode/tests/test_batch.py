@@ -208,7 +208,7 @@ def test_controller_picks_the_faster_option_and_borrows_a_neighbours_costs():
     assert not ctl.needs_plain(4)
     assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) == 3  # explores before it knows
     ctl.verify_round(4, 4, 0.40)
-    ctl.verify_round(4, 4, 0.30)  # means: a plain step 0.11 s, a column 0.08 s
+    ctl.verify_round(4, 4, 0.30)  # medians: a plain step 0.11 s, a column 0.08 s
     assert ctl.cost(4) == pytest.approx((0.11, 0.0, 0.08))  # one width: no intercept
     # Right 9 times in 10 drafting pays; 3 in 10 it does not.
     assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) > 0
