@@ -292,9 +292,10 @@ class SpecGenerationBatch(GenerationBatch):
         B = len(self.uids)
         W = 1 + max(len(d) for d in drafts)
         windows, parents, sizes = [], [], []
+        trees_pay = any(t is not None for t in trees) and self.spec.ctl.trees_pay(B)
         for i, d in enumerate(drafts):
             par = list(range(-1, len(d)))
-            if trees[i] is not None and self.spec.ctl.trees_pay(B):
+            if trees[i] is not None and trees_pay:
                 nodes, tpar = trees[i].fill(W)
                 if not tree_mod.is_chain(tpar):
                     d, par = nodes, tpar

@@ -187,10 +187,14 @@ class BatchController:
             return
         self.since_tree[B] = 0
         cost = self.cost(B)
-        if cost is not None:
-            p, extra, b = cost
-            chain = p + extra + b * (width - 1)
-            self.tree_cost.setdefault(B, deque(maxlen=self.SAMPLES)).append(seconds - chain)
+        if cost is None:
+            # No chain rounds to compare with yet: a tree round stands in for
+            # one (at most what a chain costs), so that γ is still decided.
+            self.verify.setdefault(B, deque(maxlen=self.SAMPLES)).append((width, seconds))
+            return
+        p, extra, b = cost
+        chain = p + extra + b * (width - 1)
+        self.tree_cost.setdefault(B, deque(maxlen=self.SAMPLES)).append(seconds - chain)
 
     def trees_pay(self, B: int) -> bool:
         """Whether rows may fill their windows with tree nodes: until a few

@@ -256,6 +256,12 @@ def test_controller_fits_a_rounds_fixed_cost_and_times_trees_apart():
     for _ in range(3):
         cheap.verify_round(2, 4, 0.016, tree=True)
     assert cheap.trees_pay(2)
+    # Rounds that all branch still give the cost model its chain figures.
+    only = BatchController(3, 8)
+    only.plain_step(2, 0.010)
+    for _ in range(3):
+        only.verify_round(2, 4, 0.016, tree=True)
+    assert only.cost(2) == pytest.approx((0.010, 0.0, 0.002))
 
 
 def test_unverified_drafts_still_teach_the_rows_acceptance():
