@@ -109,7 +109,7 @@ class SpecState:
         self.gamma_start = self.ctl.gamma
         self.stats: Dict[int, stats_mod.SpecStats] = {}
         self.no_draft: Optional[str] = None  # why the whole batch decodes plainly
-        self._trees: Optional[bool] = None if batch_tree.drafts_trees(drafter) else False
+        self._trees: Optional[bool] = None if tree_mod.drafts_trees(drafter) else False
 
     @property
     def trees(self) -> bool:

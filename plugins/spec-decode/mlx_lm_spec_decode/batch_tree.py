@@ -67,17 +67,6 @@ class RowTree:
         return tokens[1:], parents
 
 
-def drafts_trees(drafter: Any) -> bool:
-    """Whether ``drafter`` proposes trees the batched rounds can use: the
-    same rule as one request's (``tree_verify.TreeRounds.start``)."""
-    if not getattr(drafter, "tree", False) or not callable(getattr(drafter, "draft_tree", None)):
-        return False
-    owner = tree_verify._owner
-    if not issubclass(owner(type(drafter), "draft_tree"), owner(type(drafter), "draft")):
-        return False  # a subclass that changed draft() alone: its chains
-    return not getattr(drafter, "needs_hidden", False)
-
-
 # ------------------------------------------------------------ the forward
 
 
@@ -181,9 +170,7 @@ def verify(
         elif rule.kind == "greedy":
             draws.append((mx.argmax(lp, axis=-1),))
         else:
-            if not rule.checked:
-                sampling.check_sampler(rule.sampler, lp.shape[-1])
-                rule.checked = True
+            rule.check(lp.shape[-1])
             draws.append((sampling.verify_match(lp, rule.sampler),))
     mx.eval(lps, draws)
     out_lps, paths, targets, rejected = [], [], [], []

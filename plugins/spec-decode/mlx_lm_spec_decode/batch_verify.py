@@ -35,6 +35,12 @@ class RowRule:
         self.kind, self.temp, self.filt = sampling.describe(sampler)
         self.checked = self.kind != "match"
 
+    def check(self, vocab: int) -> None:
+        """A sampler drawn and matched: checked once, on the first round."""
+        if not self.checked:
+            sampling.check_sampler(self.sampler, vocab)
+            self.checked = True
+
 
 def row_logprobs(
     logits: mx.array, processors: Sequence[Any], context: Optional[mx.array], window: List[int]
@@ -90,9 +96,7 @@ def verify(
         elif rule.kind == "explicit":
             pending.append(sampling.verify_explicit(lp, d, None, rule.temp, rule.filt))
         else:
-            if not rule.checked:
-                sampling.check_sampler(rule.sampler, lp.shape[-1])
-                rule.checked = True
+            rule.check(lp.shape[-1])
             pending.append((sampling.verify_match(lp, rule.sampler),))
     mx.eval(lps, pending)
     accepted, targets = [], []

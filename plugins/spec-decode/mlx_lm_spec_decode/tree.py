@@ -169,6 +169,21 @@ def ancestors(parents: list[int]) -> mx.array:
     return mx.array(rows)
 
 
+def _owner(cls: type, name: str) -> type:
+    return next((k for k in cls.__mro__ if name in vars(k)), object)
+
+
+def drafts_trees(drafter: Any) -> bool:
+    """Whether ``drafter`` proposes trees: the option is on, it has
+    ``draft_tree`` (not only inherited past a subclass that changed
+    ``draft()`` alone: that subclass's chains), and it reads no hidden states."""
+    if not getattr(drafter, "tree", False) or not callable(getattr(drafter, "draft_tree", None)):
+        return False
+    if not issubclass(_owner(type(drafter), "draft_tree"), _owner(type(drafter), "draft")):
+        return False
+    return not getattr(drafter, "needs_hidden", False)
+
+
 # ------------------------------------------------------- the tree forward
 
 

@@ -131,10 +131,6 @@ def compact(caches: list[Any], start: int, fed: int, path: list[int]) -> None:
 # --------------------------------------------------------- one request
 
 
-def _owner(cls: type, name: str) -> type:
-    return next((k for k in cls.__mro__ if name in vars(k)), object)
-
-
 class TreeRounds:
     """One request's trees: drafting, verifying and the continuation rate
     (accepted tokens over accepted plus rejections, decayed) that scales
@@ -152,12 +148,7 @@ class TreeRounds:
         """Trees for this request, or None: the drafter proposes trees and the
         option is on, the caches are plain ``KVCache`` and the model's
         attention takes a tree; otherwise chains (a log line says why)."""
-        d = loop.drafter
-        if not getattr(d, "tree", False) or not callable(getattr(d, "draft_tree", None)):
-            return None
-        if not issubclass(_owner(type(d), "draft_tree"), _owner(type(d), "draft")):
-            return None  # a subclass that changed draft() alone: its chains
-        if d.needs_hidden:
+        if not tree_mod.drafts_trees(loop.drafter):
             return None
         kinds = {type(c) for c in loop.target_cache}
         if kinds != {KVCache} or loop.kv_bits is not None:

@@ -70,8 +70,9 @@ def prompts_of(tok):
     ]
 
 
-def test_greedy_rows_match_stock_tokens_and_caches(llama):
-    model, tok = llama
+def greedy_case(model, tok):
+    """Three greedy rows with a penalized row that stops on a stop token, a
+    late joiner, and stock's run of them: ``(prompts, late, kw, stock)``."""
     prompts = prompts_of(tok)
     procs = [None, make_logits_processors(repetition_penalty=1.5), None]
     # Row 1 stops at the token a penalized run emits 12th.
@@ -81,7 +82,12 @@ def test_greedy_rows_match_stock_tokens_and_caches(llama):
         stop_sequences=[StopSequences(), StopSequences([[stop]]), StopSequences()],
     )
     late = (3, tok.encode("late " + TEXT * 2), 17)
-    stock = drive(BatchGenerator(model), prompts, [40, 25, 60], late, **kw)
+    return prompts, late, kw, drive(BatchGenerator(model), prompts, [40, 25, 60], late, **kw)
+
+
+def test_greedy_rows_match_stock_tokens_and_caches(llama):
+    model, tok = llama
+    prompts, late, kw, stock = greedy_case(model, tok)
     gen = SpecBatchGenerator(model, NGramDrafter(n_min=1, auto_off=False), 4, 10)
     rows = closed_stats(gen)
     ours = drive(gen, prompts, [40, 25, 60], late, **kw)

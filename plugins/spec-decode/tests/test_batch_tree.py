@@ -7,9 +7,8 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import apply_top_k, make_logits_processors, make_sampler
-from test_batch import TEXT, assert_same, closed_stats, drive, llama, prompts_of  # noqa: F401
+from test_batch import assert_same, closed_stats, drive, greedy_case, llama  # noqa: F401
 from test_sampling import TEMP, chi2, chi2_critical, target_probs
 
 from mlx_lm_spec_decode import NGramDrafter, batch_tree
@@ -62,15 +61,7 @@ def test_greedy_tree_rows_match_stock_tokens_and_caches(llama, policy, monkeypat
     half precision (the tree's mask and positions go through it)."""
     monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", policy)
     model, tok = llama
-    prompts = prompts_of(tok)
-    procs = [None, make_logits_processors(repetition_penalty=1.5), None]
-    stop = drive(BatchGenerator(model), prompts, [40, 25, 60], logits_processors=procs)[1][0][11]
-    kw = dict(
-        logits_processors=procs,
-        stop_sequences=[StopSequences(), StopSequences([[stop]]), StopSequences()],
-    )
-    late = (3, tok.encode("late " + TEXT * 2), 17)
-    stock = drive(BatchGenerator(model), prompts, [40, 25, 60], late, **kw)
+    prompts, late, kw, stock = greedy_case(model, tok)
     truths = [list(p) + t for p, (t, *_) in zip(prompts + [late[1]], stock, strict=True)]
     gen = SpecBatchGenerator(model, Oracle(truths, model.args.vocab_size), 4, 10)
     rows = closed_stats(gen)
