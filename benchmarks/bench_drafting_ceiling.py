@@ -1,0 +1,226 @@
+"""How fast drafting by copying could possibly be on the spec-decode
+workloads: a ceiling from the model's own greedy outputs and this machine's
+measured verify costs.
+
+    python benchmarks/bench_drafting_ceiling.py
+    python benchmarks/bench_drafting_ceiling.py --device gpu --dtype bfloat16
+
+The n-gram and suffix drafters copy: they find where the history's last
+tokens occurred before (in the prompt, the output so far, or for ``suffix``
+earlier requests) and propose what followed. This script replays each
+workload's real output with an oracle that does the same but knows the
+output: each round it drafts exactly the tokens that will be kept, from the
+earlier occurrence that agrees longest, and pads the window to the cheapest
+measured width that holds them (nothing drafted is ever rejected). With its
+context limited to what our drafters need (``n >= 2``: the last two tokens
+occurred before), to one token (``n >= 1``), and unlimited (``any``: the
+longest copy from anywhere, with no context at all), it gives tokens per
+forward and the speed-up over plain decoding that no copying drafter can
+pass on this machine: a real drafter also proposes tokens that fail, and
+must pick among occurrences without knowing the output.
+
+Costs are measured here: a forward over ``[B, W]`` after a 512-token cache
+(median of ``--reps``), in plain steps of the same batch size. Serial
+workloads run at B = 1; the batched server's pools in a closed loop of C
+clients (a finished request's row is taken by the next), where each
+round's window is the same width for every row, chosen by the oracle for
+the most tokens per second this round, and stock runs one token per row
+per step. The pools run four times over and the clock stops when the queue
+runs dry: the steady state, without the batch draining at the end (there
+a greedy oracle leaves stragglers that stock, whose rows finish together,
+does not). Prefill is left out of both sides.
+
+Workloads: the grounded and open prompts of ``bench_spec_decode.py`` (96
+tokens), the two agent replays of ``bench_suffix.py`` (64 tokens a request;
+the earlier requests' prompts and outputs are there to copy from), and the
+grounded and open pools of ``bench_batch_spec.py`` (128 tokens).
+"""
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+from bench_batch_spec import OPEN, cast_folder, grounded
+from bench_spec_decode import prompts as single_prompts
+from bench_suffix import NEAR_WORDINGS, agent_requests, chat
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from mlx_lm_ext import models
+
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+CONTEXTS = (("n >= 2", 2), ("n >= 1", 1), ("any", 0))
+
+
+def greedy(model, prompt, max_tokens):
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens)
+    return [int(tok) for tok, _ in steps]
+
+
+def copy_lengths(context, output, n, cap):
+    """For each output position i: how many of ``output[i:]`` the best earlier
+    occurrence copies, among those preceded by the same ``n`` tokens as
+    position i (``n = 0``: any occurrence), at most ``cap``."""
+    full = np.asarray(list(context) + list(output), np.int64)
+    base, lengths = len(context), []
+    for i in range(len(output)):
+        j = base + i
+        starts = np.nonzero(full[:j] == full[j])[0]  # the first token must agree
+        for back in range(1, n + 1):
+            starts = starts[
+                (starts >= back) & (full[np.maximum(starts - back, 0)] == full[j - back])
+            ]
+        best = 0
+        for s in starts:
+            k = 1
+            while k < cap and j + k < len(full) and full[s + k] == full[j + k]:
+                k += 1
+            best = max(best, k)
+            if best == cap:
+                break
+        lengths.append(best)
+    return lengths
+
+
+def forward_costs(model, batches, prefix=512, reps=5):
+    """Median seconds of one forward over ``[B, W]`` for each B and W."""
+    out = {}
+    for B in batches:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.tile(mx.arange(100, 100 + prefix)[None], (B, 1)), cache=cache))
+        for W in WIDTHS:
+            toks = mx.tile(mx.arange(200, 200 + W)[None], (B, 1))
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                mx.eval(mx.argmax(model(toks, cache=cache), axis=-1))
+                times.append(time.perf_counter() - t0)
+                trim_prompt_cache(cache, W)
+            out[B, W] = statistics.median(times[1:])  # the first warms this shape
+    return out
+
+
+def simulate(lengths, C, cost, laps=1):
+    """Closed loop of C clients over the pool ``lengths`` (each request's
+    per-position copy lengths) run ``laps`` times: seconds for stock over
+    those for the oracle, and the oracle's tokens per row-forward. With
+    ``laps > 1`` the clock stops when the queue runs dry (the steady state:
+    no batch draining at the end)."""
+
+    def run(oracle):
+        queue = [i for _ in range(laps) for i in range(len(lengths))]
+        rows, secs, tokens, fwd = [], 0.0, 0, 0
+        while rows or queue:
+            while queue and len(rows) < C:
+                rows.append([queue.pop(0), 0])
+            if laps > 1 and not queue and len(rows) < C:
+                break
+            B, best = len(rows), (1, [1] * len(rows))
+            if oracle:  # the width with the most tokens per second this round
+                rate = 0.0
+                for W in WIDTHS:
+                    take = [1 + min(lengths[r][p], W - 1, len(lengths[r]) - p - 1) for r, p in rows]
+                    if sum(take) / cost[B, W] > rate:
+                        rate, best = sum(take) / cost[B, W], (W, take)
+            W, take = best
+            secs += cost[B, W]
+            tokens += sum(take)
+            fwd += B
+            for row, t in zip(rows, take, strict=True):
+                row[1] += t
+            rows = [r for r in rows if r[1] < len(lengths[r[0]])]
+        return tokens / secs, tokens / fwd
+
+    stock, _ = run(False)
+    spec, tpf = run(True)
+    return spec / stock, tpf
+
+
+def nearest_batch(B, batches):
+    return min((b for b in batches if b >= B), default=max(batches))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="default: MLX's")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--concurrency", default="1,2,4,8")
+    args = p.parse_args()
+    if args.device:
+        mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    path = models.build("smollm2-135m-f32", progress=False)
+    if args.dtype != "float32":
+        path = cast_folder(path, args.dtype)
+    model, tok = load(str(path))
+    levels = [int(c) for c in args.concurrency.split(",")]
+    batches = sorted(set(levels))
+    cap = max(WIDTHS) - 1
+
+    t0 = time.perf_counter()
+    costs = forward_costs(model, batches, reps=args.reps)
+    print(
+        f"# {args.dtype} SmolLM2-135M on {mx.default_device()}: forward over [B, W] in plain steps of B rows"
+    )
+    print("\n| B | step ms | " + " | ".join(f"W={w}" for w in WIDTHS) + " |")
+    print("|---|---|" + "---|" * len(WIDTHS))
+    for B in batches:
+        cells = " | ".join(f"{costs[B, w] / costs[B, 1]:.2f}" for w in WIDTHS)
+        print(f"| {B} | {1e3 * costs[B, 1]:.1f} | {cells} |")
+    print(f"\n(costs measured in {time.perf_counter() - t0:.0f} s)\n", flush=True)
+
+    # Serial workloads: (name, [(context, prompt)]): each request may copy from its context.
+    serial = [(name, [chat(tok, text)]) for name, text in single_prompts()]
+    serial.append(("agent: repeated asks", [chat(tok, t) for t in agent_requests()]))
+    serial.append(
+        ("agent: near-identical asks", [chat(tok, t) for t in agent_requests(NEAR_WORDINGS)])
+    )
+    print(
+        "| workload | tokens | " + " | ".join(f"{c}: tok/fwd, ceiling" for c, _ in CONTEXTS) + " |"
+    )
+    print("|---|---|" + "---|" * len(CONTEXTS), flush=True)
+    for name, requests in serial:
+        max_tokens = 64 if name.startswith("agent") else 96
+        outs, seen = [], []
+        for prompt in requests:
+            out = greedy(model, prompt, max_tokens)
+            outs.append((seen + list(prompt), out))
+            seen = seen + list(prompt) + out  # later requests may copy from it (the corpus)
+        cells = []
+        for _, n in CONTEXTS:
+            L = [copy_lengths(ctx, out, n, cap) for ctx, out in outs]
+            ratio, tpf = simulate(L, 1, {(1, w): costs[1, w] for w in WIDTHS})
+            cells.append(f"{tpf:.2f}, {ratio:.2f}x")
+        total = sum(len(o) for _, o in outs)
+        print(f"| {name} | {total} | " + " | ".join(cells) + " |", flush=True)
+
+    print(
+        "\n| pool (batched server) | C | "
+        + " | ".join(f"{c}: tok/fwd, ceiling" for c, _ in CONTEXTS)
+        + " |"
+    )
+    print("|---|---|" + "---|" * len(CONTEXTS), flush=True)
+    for pool_name, pool in (("grounded", grounded()), ("open", OPEN)):
+        outs = []
+        for text in pool:
+            prompt = chat(tok, text)
+            outs.append((list(prompt), greedy(model, prompt, 128)))
+        by_n = {n: [copy_lengths(ctx, out, n, cap) for ctx, out in outs] for _, n in CONTEXTS}
+        for C in levels:
+            cells = []
+            for _, n in CONTEXTS:
+                cost = {
+                    (B, w): costs[nearest_batch(B, batches), w]
+                    for B in range(1, C + 1)
+                    for w in WIDTHS
+                }
+                ratio, tpf = simulate(by_n[n], C, cost, laps=4)
+                cells.append(f"{tpf:.2f}, {ratio:.2f}x")
+            print(f"| {pool_name} | {C} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
