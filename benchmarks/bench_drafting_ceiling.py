@@ -86,7 +86,10 @@ def copy_lengths(context, output, n, cap):
 
 
 def forward_costs(model, batches, prefix=512, reps=5):
-    """Median seconds of one forward over ``[B, W]`` for each B and W."""
+    """Median seconds of one forward over ``[B, W]`` for each B and W: read
+    back before the next (a verify round), except W = 1, timed as mlx-lm
+    decodes (each step built while the previous one runs), which is what
+    stock pays and what a round with nothing to draft pays."""
     out = {}
     for B in batches:
         cache = make_prompt_cache(model)
@@ -100,7 +103,27 @@ def forward_costs(model, batches, prefix=512, reps=5):
                 times.append(time.perf_counter() - t0)
                 trim_prompt_cache(cache, W)
             out[B, W] = statistics.median(times[1:])  # the first warms this shape
+        out[B, 1] = pipelined_step(model, cache, B, reps)
     return out
+
+
+def pipelined_step(model, cache, B, reps, steps=16):
+    """Median over ``reps`` runs of seconds per step of ``steps`` greedy
+    steps, each built and started before the previous one is read back."""
+    times = []
+    for _ in range(reps + 1):
+        y = mx.full((B, 1), 200, mx.uint32)
+        mx.eval(y)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            nxt = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1).astype(mx.uint32)
+            mx.async_eval(nxt)
+            y.tolist()
+            y = nxt
+        y.tolist()
+        times.append((time.perf_counter() - t0) / steps)
+        trim_prompt_cache(cache, steps)
+    return statistics.median(times[1:])
 
 
 def simulate(lengths, C, cost, laps=1):
