@@ -233,6 +233,9 @@ def main():
     try:
         for port, _ in servers.values():  # warm up (first-call compiles, caches)
             burst(port, OPEN[:2], 8)
+            # Two grounded rows at once: drafting rounds, rows rolling back
+            # apart and finishing with holes (on a GPU, kernels compiled on first use).
+            burst(port, grounded()[:2], 48)
         for kind in kinds:
             pool = grounded() if kind == "grounded" else OPEN
             for c in levels:

@@ -143,6 +143,8 @@ class SpecGenerationBatch(GenerationBatch):
         self.misses = 0
         self.declined = 0  # drafting decisions in a row that chose γ = 0
         self.last_plain_b = 0  # batch size of the previous call, if it was a pipelined plain step
+        self.owed: Optional[Tuple[float, Any]] = None  # the previous call's timing, unsent
+        self.returned = 0.0  # when the previous call returned
         self.steps = 0  # plain steps run (each row's figures catch up when it leaves)
         super().__init__(*args, **kwargs)
 
@@ -154,7 +156,7 @@ class SpecGenerationBatch(GenerationBatch):
             row.steps = self.steps
         super().extend(batch)
         self.rows.extend(rows)
-        self.last_plain_b = 0
+        self.last_plain_b, self.owed = 0, None
 
     def filter(self, keep: List[int]) -> None:
         kept = set(keep)
@@ -163,7 +165,7 @@ class SpecGenerationBatch(GenerationBatch):
                 self._close(i, row)
         super().filter(keep)
         self.rows = [self.rows[i] for i in keep]
-        self.last_plain_b = 0
+        self.last_plain_b, self.owed = 0, None
 
     def _close(self, i: int, row: Row) -> None:
         """The row leaves: its drafter holds exactly its tokens, then flushes."""
@@ -228,6 +230,23 @@ class SpecGenerationBatch(GenerationBatch):
     # ------------------------------------------------------------ one call
 
     def next(self) -> List[GenerationBatch.Response]:
+        self._settle()
+        out = self._next()
+        self.returned = time.perf_counter()
+        return out
+
+    def _settle(self) -> None:
+        """Hand the controller the previous call's time plus the caller's since
+        (a server's work on each emitted token): behind a pipelined step that
+        time overlaps the forward, behind a round nothing runs, so a round's
+        price is what the caller sees. A batch that changed in between (rows
+        joining: their prompts were processed) discards it."""
+        if self.owed is not None:
+            seconds, record = self.owed
+            self.owed = None
+            record(seconds + time.perf_counter() - self.returned)
+
+    def _next(self) -> List[GenerationBatch.Response]:
         if not self.uids:
             return []
         spec, B = self.spec, len(self.uids)
@@ -281,7 +300,8 @@ class SpecGenerationBatch(GenerationBatch):
         if self.spec is not None and self.last_plain_b == B:
             # Pipelined: this call waited for the previous step's forward
             # (on a GPU the forward it starts runs on after it returns).
-            self.spec.ctl.plain_step(B, time.perf_counter() - t0)
+            ctl = self.spec.ctl
+            self.owed = (time.perf_counter() - t0, lambda s: ctl.plain_step(B, s))
         self.last_plain_b = len(self.uids) if len(self.uids) == B else 0
         return out
 
@@ -361,6 +381,11 @@ class SpecGenerationBatch(GenerationBatch):
                 st.tree_rounds += branching[i]
                 row.observe(k, a, rejected[i])
             row_lps = [prev_lps[i]] + [lps[i][j] for j in range(len(toks) - 1)]
+            cache = None
+            if finish[i] is not None:
+                t = time.perf_counter()
+                cache = self.extract_cache(i)
+                t0 += time.perf_counter() - t  # a leaving row's cache: not the round's cost
             for n, tok in enumerate(toks):
                 last = n == len(toks) - 1
                 done = finish[i] if last else None
@@ -370,7 +395,7 @@ class SpecGenerationBatch(GenerationBatch):
                         token=tok,
                         logprobs=row_lps[n],
                         finish_reason=done,
-                        prompt_cache=self.extract_cache(i) if done else None,
+                        prompt_cache=cache if done else None,
                         all_tokens=self.tokens[i] if done else None,
                     )
                 )
@@ -383,7 +408,11 @@ class SpecGenerationBatch(GenerationBatch):
         self._current_logprobs = list(prev_lps)
         self._next_tokens = mx.array(targets, mx.uint32)
         self._next_logprobs = [lps[i][accepted[i]] for i in range(B)]
-        self.spec.ctl.verify_round(B, W, time.perf_counter() - t0, any(branching))
+        # Read now (the round's logits are there): a plain step next evaluates
+        # them with its own inputs, and on a GPU it would wait for its forward.
+        mx.eval(self._next_logprobs)
+        ctl, tree, n = self.spec.ctl, any(branching), sum(len(t) for t in emitted)
+        self.owed = (time.perf_counter() - t0, lambda s: ctl.verify_round(B, W, s, tree, n))
         self.last_plain_b = 0
         if len(keep) < B:
             self.filter(keep)

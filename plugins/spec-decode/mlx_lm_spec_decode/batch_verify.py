@@ -15,7 +15,11 @@ from its drafts at its measured acceptance. Rounds that verified branching
 token trees are timed apart: where a tree costs more than a chain of its
 width (a GPU's extra kernels), rows draft chains. γ = 0 (a plain batched step) wins
 whenever drafting does not pay, so a batch never decodes slower than the
-plain batched loop by more than the measurements' noise.
+plain batched loop by more than the measurements' noise (and one round in
+every ``RETRY`` decisions that chose it, so that the round's timings stay
+current). The prediction is checked against what rounds did: where a batch
+size's recent rounds emitted fewer tokens per second, call to call, than
+its plain steps, γ is 0 there whatever the model predicts.
 """
 
 from collections import deque
@@ -150,7 +154,9 @@ class BatchController:
     # GPU's rounds stall often (tens of ms; throughput pays that, the fastest
     # round hides it), while a CPU shared with other work spikes now and then
     PROBE = 3  # plain steps in a row that time one (the first of a run is not timed)
-    EXPLORE = 2  # verify rounds timed before the cost model decides
+    EXPLORE = 3  # verify rounds timed before the cost model decides (the median of
+    # three outvotes one round that stalled, e.g. on a GPU kernel compiled on first use)
+    RETRY = 4  # drafting decisions in a row that chose γ = 0 before one round runs anyway
     SLACK = 1.05  # drafting must promise this much more throughput than plain steps
     REPROBE = 48  # verify rounds at one batch size between plain re-measurements
     OWN = 8  # verify rounds at a batch size on a neighbour's plain cost before its own
@@ -166,6 +172,8 @@ class BatchController:
         self.rounds: Dict[int, int] = {}
         self.tree_cost: Dict[int, deque] = {}  # B -> a tree round's seconds beyond a chain's
         self.since_tree: Dict[int, int] = {}
+        self.declined = 0  # decisions in a row that chose γ = 0
+        self.yielded: Dict[int, deque] = {}  # B -> (tokens a round emitted, its seconds)
 
     def needs_plain(self, B: int) -> bool:
         """Whether plain steps at this batch size must be timed before deciding."""
@@ -183,8 +191,12 @@ class BatchController:
             q.clear()  # a fresh reading: the machine's load changes
         q.append(seconds)
 
-    def verify_round(self, B: int, width: int, seconds: float, tree: bool = False) -> None:
+    def verify_round(
+        self, B: int, width: int, seconds: float, tree: bool = False, tokens: int = 0
+    ) -> None:
         self.rounds[B] = self.rounds.get(B, 0) + 1
+        if tokens:
+            self.yielded.setdefault(B, deque(maxlen=self.SAMPLES)).append((tokens, seconds))
         if not tree:
             self.verify.setdefault(B, deque(maxlen=self.SAMPLES)).append((width, seconds))
             self.since_tree[B] = self.since_tree.get(B, 0) + 1
@@ -249,6 +261,17 @@ class BatchController:
         # Measured on fewer rows, a column costs at most proportionally more.
         return p, extra, b * max(1.0, B / bv)
 
+    def losing(self, B: int, plain_rate: float) -> bool:
+        """Whether this batch size's recent rounds emitted fewer tokens per
+        second than plain steps do, whatever the cost model predicts: the
+        tokens are counted, not expected, and the seconds run from one call
+        to the next, so a cost the model does not see (a server's work
+        around a round, acceptance below the rows' estimates) still shows."""
+        done = self.yielded.get(B, ())
+        if len(done) < self.EXPLORE:
+            return False
+        return sum(n for n, _ in done) / sum(t for _, t in done) < plain_rate
+
     def choose(self, B: int, proposed: List[int], alphas: List[float]) -> int:
         """Draft length for this round (0: a plain batched step)."""
         top = max(proposed, default=0)
@@ -269,6 +292,13 @@ class BatchController:
             rate = tokens / (p + extra + b * g)
             if rate > best_rate:
                 best, best_rate = g, rate
-        if best:
-            self.gamma = best
-        return best
+        if best and not self.losing(B, plain_rate):
+            self.gamma, self.declined = best, 0
+            return best
+        self.declined += 1
+        if self.declined < self.RETRY:
+            return 0
+        # Only rounds renew a round's timings: without one now and then, rounds
+        # timed while the machine was busy would keep γ at 0 for good.
+        self.declined = 0
+        return min(self.gamma, top)

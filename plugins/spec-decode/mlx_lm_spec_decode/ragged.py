@@ -12,12 +12,20 @@ copied per round; ``compact`` squeezes the holes out once they are many, and
 ``extract`` (what a finished request hands the prompt cache) gathers only
 kept entries, so the stored cache equals mlx-lm's.
 
+The holes live on the host (a NumPy array): every question about them
+(how many, which entries a finished row keeps, which rows stay) is
+answered without reading the GPU back, which on a GPU would wait for every
+queued kernel. The batch's layers move in lockstep (the same tokens enter
+each), so the module's ``rollback`` and ``compact`` work out the
+bookkeeping once, on the first layer, and hand it to the others: per round
+a handful of small ops, not a handful per layer.
+
 Only plain ``BatchKVCache`` layers are converted (``of``); a sliding-window
 ``BatchRotatingKVCache`` rotates its slots, so a batch with one decodes
 without drafts.
 """
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -28,9 +36,11 @@ COMPACT_HOLES = 64
 
 
 class RaggedKVCache(BatchKVCache):
-    """``BatchKVCache`` plus ``holes`` (``[B, >= _idx]`` bool, True: masked out)."""
+    """``BatchKVCache`` plus ``holes`` (``[B, <= _idx]`` bool on the host, True:
+    masked out; slots past its width are not holes). Never changed in place:
+    layers may share one array."""
 
-    holes: Optional[mx.array] = None
+    holes: Optional[np.ndarray] = None
 
     @classmethod
     def of(cls, cache: BatchKVCache) -> "RaggedKVCache":
@@ -42,28 +52,25 @@ class RaggedKVCache(BatchKVCache):
         out.holes = None
         return out
 
-    def _holes(self, n: int) -> mx.array:
-        """``holes`` over the first ``n`` slots. The array may be wider than
-        ``_idx``: slots past ``_idx`` are never holes, so a plain step reads a
-        slice and only every ``step`` slots pays a concatenate."""
+    def _holes(self, n: int) -> np.ndarray:
+        """``holes`` over the first ``n`` slots."""
         h = self.holes
-        if h.shape[1] < n:
-            grow = max(n - h.shape[1], self.step)
-            h = mx.concatenate([h, mx.zeros((h.shape[0], grow), mx.bool_)], axis=1)
-            self.holes = h
-        return h[:, :n]
+        if h.shape[1] >= n:
+            return h[:, :n]
+        return np.concatenate([h, np.zeros((h.shape[0], n - h.shape[1]), bool)], axis=1)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         mask = super().make_mask(N, return_array=return_array, **kwargs)
         if self.holes is None:
             return mask
-        return mask & ~self._holes(self._idx + N)[:, None, None, :]
+        return mask & mx.array(~self._holes(self._idx + N))[:, None, None, :]
 
     def trim(self, n: int) -> int:
         n = super().trim(n)
         if self.holes is not None and n:
             # Trimmed slots are free again: they must not stay holes.
-            self.holes = self.holes & (mx.arange(self.holes.shape[1]) < self._idx)
+            h = self.holes[:, : self._idx]
+            self.holes = h if h.any() else None
         return n
 
     def rollback(self, drop: List[int]) -> None:
@@ -71,12 +78,11 @@ class RaggedKVCache(BatchKVCache):
         common = min(drop)
         if common:
             self.trim(common)
-        rest = [d - common for d in drop]
-        if not any(rest):
+        rest = np.array([d - common for d in drop])
+        if not rest.any():
             return
-        rest_arr = mx.array(rest)
-        self.offset = self.offset - rest_arr
-        new = mx.arange(self._idx)[None] >= (self._idx - rest_arr)[:, None]
+        self.offset = self.offset - mx.array(rest)
+        new = np.arange(self._idx)[None] >= (self._idx - rest)[:, None]
         self.holes = new if self.holes is None else (self._holes(self._idx) | new)
 
     def gather_window(self, width: int, order: mx.array) -> None:
@@ -88,16 +94,14 @@ class RaggedKVCache(BatchKVCache):
         self.values[..., s:e, :] = mx.take_along_axis(self.values[..., s:e, :], take, axis=2)
 
     def hole_count(self) -> int:
-        if self.holes is None:
-            return 0
-        return int(self._holes(self._idx).sum(axis=1).max().item())
+        return 0 if self.holes is None else int(self.holes.sum(axis=1).max())
 
-    def compact(self) -> None:
-        """Squeeze the holes out: one gather of the kept entries, left-padded again."""
+    def squeeze_plan(self) -> Optional[Tuple[mx.array, mx.array, int]]:
+        """What ``compact`` does to every layer: ``(gather indices, left
+        padding, length)``, or ``None`` when there are no holes."""
         if self.holes is None or self.keys is None:
-            self.holes = None
-            return
-        holes = np.array(self._holes(self._idx))
+            return None
+        holes = self._holes(self._idx)
         left = self.left_padding.tolist()
         rows = [np.flatnonzero(~holes[i, left[i] :]) + left[i] for i in range(len(left))]
         length = max(len(r) for r in rows)
@@ -105,21 +109,30 @@ class RaggedKVCache(BatchKVCache):
         for i, r in enumerate(rows):
             if len(r):
                 idx[i, length - len(r) :] = r
-        take = mx.array(idx)[:, None, :, None]
-        self.keys = mx.take_along_axis(self.keys[..., : self._idx, :], take, axis=2)
-        self.values = mx.take_along_axis(self.values[..., : self._idx, :], take, axis=2)
-        self.left_padding = mx.array([length - len(r) for r in rows])
-        self._idx = length
+        pad = mx.array([length - len(r) for r in rows])
+        return mx.array(idx)[:, None, :, None], pad, length
+
+    def squeeze(self, plan: Optional[Tuple[mx.array, mx.array, int]]) -> None:
+        """Apply a ``squeeze_plan`` (one gather of the kept entries, left-padded again)."""
+        if plan is not None:
+            take, self.left_padding, length = plan
+            self.keys = mx.take_along_axis(self.keys[..., : self._idx, :], take, axis=2)
+            self.values = mx.take_along_axis(self.values[..., : self._idx, :], take, axis=2)
+            self._idx = length
         self.holes = None
+
+    def compact(self) -> None:
+        """Squeeze the holes out of this layer."""
+        self.squeeze(self.squeeze_plan())
 
     def filter(self, batch_indices: List[int]) -> None:
         holes, before = None, self._idx
         if self.holes is not None and batch_indices:
-            holes = self._holes(before)[mx.array(batch_indices, mx.int32)]
+            holes = self._holes(before)[batch_indices]
         super().filter(batch_indices)
         if holes is not None:
             holes = holes[:, before - self._idx :]
-            self.holes = holes if bool(holes.any().item()) else None
+            self.holes = holes if holes.any() else None
         else:
             self.holes = None
 
@@ -133,13 +146,11 @@ class RaggedKVCache(BatchKVCache):
             return
 
         def padded(h, rows, idx):
-            h = mx.zeros((rows, idx), mx.bool_) if h is None else h[:, :idx]
+            h = np.zeros((rows, idx), bool) if h is None else h[:, :idx]
             left = self._idx - idx
-            if left:
-                h = mx.concatenate([mx.zeros((rows, left), mx.bool_), h], axis=1)
-            return h
+            return np.concatenate([np.zeros((rows, left), bool), h], axis=1) if left else h
 
-        self.holes = mx.concatenate(
+        self.holes = np.concatenate(
             [padded(mine, n_self, idx_self), padded(theirs, n_other, idx_other)], axis=0
         )
 
@@ -147,7 +158,7 @@ class RaggedKVCache(BatchKVCache):
         if self.holes is None:
             return super().extract(idx)
         pad = self.left_padding.tolist()[idx]
-        keep = np.flatnonzero(~np.array(self._holes(self._idx)[idx, pad:])) + pad
+        keep = np.flatnonzero(~self._holes(self._idx)[idx, pad:]) + pad
         sel = mx.array(keep.astype(np.int32))
         cache = KVCache()
         cache.keys = mx.contiguous(mx.take(self.keys[idx : idx + 1], sel, axis=2))
@@ -175,11 +186,18 @@ def keep_paths(caches: List[RaggedKVCache], width: int, paths: List[List[int]]) 
 
 
 def rollback(caches: List[RaggedKVCache], drop: List[int]) -> None:
-    """Every layer's row i forgets its last ``drop[i]`` entries; compact when holey."""
+    """Every layer's row i forgets its last ``drop[i]`` entries; compact when holey.
+    The first layer works the bookkeeping out; the others take it."""
     if not any(drop):
         return
-    for c in caches:
-        c.rollback(drop)
-    if caches[0].holes is not None and caches[0].hole_count() >= COMPACT_HOLES:
+    first = caches[0]
+    first.rollback(drop)
+    # Sharing the arrays is safe: mlx-lm rebinds a BatchKVCache's offset,
+    # never updates it in place (its in-place updates of left_padding are
+    # for a prompt batch's fresh caches, before they join this batch).
+    for c in caches[1:]:
+        c._idx, c.offset, c.holes = first._idx, first.offset, first.holes
+    if first.hole_count() >= COMPACT_HOLES:
+        plan = first.squeeze_plan()
         for c in caches:
-            c.compact()
+            c.squeeze(plan)

@@ -76,7 +76,7 @@ def explicit_attention(
             scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
         else:
             scores = scores + mask.astype(scores.dtype)
-    w = mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype)
+    w = mx.softmax(scores, axis=-1, precise=True)  # float32 inside, one kernel
     return (w @ mx.expand_dims(values, 2)).reshape(b, hq, n, d)
 
 

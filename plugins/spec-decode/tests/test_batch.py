@@ -15,6 +15,7 @@ from mlx_lm.sample_utils import apply_top_k, make_logits_processors, make_sample
 from test_sampling import TEMP, chi2, chi2_critical, target_probs
 
 from mlx_lm_spec_decode import Drafter, NGramDrafter
+from mlx_lm_spec_decode import ragged as ragged_mod
 from mlx_lm_spec_decode.batch import SpecBatchGenerator
 from mlx_lm_spec_decode.ragged import RaggedKVCache
 
@@ -85,7 +86,11 @@ def greedy_case(model, tok):
     return prompts, late, kw, drive(BatchGenerator(model), prompts, [40, 25, 60], late, **kw)
 
 
-def test_greedy_rows_match_stock_tokens_and_caches(llama):
+@pytest.mark.parametrize("compact_at", [None, 1])
+def test_greedy_rows_match_stock_tokens_and_caches(llama, monkeypatch, compact_at):
+    """``compact_at=1``: the holes are squeezed out after every ragged rollback."""
+    if compact_at:
+        monkeypatch.setattr(ragged_mod, "COMPACT_HOLES", compact_at)
     model, tok = llama
     prompts, late, kw, stock = greedy_case(model, tok)
     gen = SpecBatchGenerator(model, NGramDrafter(n_min=1, auto_off=False), 4, 10)
@@ -214,12 +219,17 @@ def test_controller_picks_the_faster_option_and_borrows_a_neighbours_costs():
     assert not ctl.needs_plain(4)
     assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) == 3  # explores before it knows
     ctl.verify_round(4, 4, 0.40)
+    ctl.verify_round(4, 4, 0.35)
+    assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) == 3  # two rounds: still exploring
     ctl.verify_round(4, 4, 0.30)  # medians: a plain step 0.11 s, a column 0.08 s
     assert ctl.cost(4) == pytest.approx((0.11, 0.0, 0.08))  # one width: no intercept
     # Right 9 times in 10 drafting pays; 3 in 10 it does not.
     assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) > 0
     assert ctl.choose(4, [3, 3, 3, 3], [0.3] * 4) == 0
     assert ctl.choose(4, [3, 0, 0, 0], [0.9] * 4) == 0  # one row's drafts cannot pay for four
+    # Every RETRY declines in a row, one round anyway (at the last γ) to renew the timings.
+    picks = [ctl.choose(4, [3, 3, 3, 3], [0.3] * 4) for _ in range(3 * BatchController.RETRY)]
+    assert sorted(set(picks)) == [0, ctl.gamma] and picks.count(ctl.gamma) == 3
     # A batch size seen for the first time decides at once from its neighbour's
     # costs (a column scaled up for more rows), then times its own plain steps.
     assert not ctl.needs_plain(6)
@@ -230,6 +240,31 @@ def test_controller_picks_the_faster_option_and_borrows_a_neighbours_costs():
     ctl.plain_step(6, 0.2)
     ctl.plain_step(6, 0.2)
     assert not ctl.needs_plain(6) and ctl.cost(6)[0] == 0.2
+
+
+def test_controller_stops_drafting_where_rounds_emitted_less_than_plain_steps():
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    def timed(tokens):
+        ctl = BatchController(3, 8)
+        ctl.plain_step(4, 0.10)  # 40 tokens/s
+        ctl.plain_step(4, 0.10)
+        for _ in range(BatchController.EXPLORE):
+            # The cost model: a round costs 0.15 s, so at 90% acceptance it pays.
+            ctl.verify_round(4, 4, 0.15, tokens=tokens)
+        return ctl
+
+    # 10 tokens in 0.15 s (67/s): drafting stays on.
+    assert timed(10).choose(4, [3, 3, 3, 3], [0.9] * 4) == 3
+    # 5 tokens in 0.15 s (33/s, the rows' estimates were too high): plain
+    # steps, apart from one round every RETRY decisions.
+    ctl = timed(5)
+    picks = [ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) for _ in range(2 * BatchController.RETRY)]
+    assert picks.count(0) == 2 * BatchController.RETRY - 2
+    # Rounds that do better refresh the figures, and drafting resumes.
+    for _ in range(BatchController.SAMPLES):
+        ctl.verify_round(4, 4, 0.15, tokens=12)
+    assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) == 3
 
 
 def test_controller_fits_a_rounds_fixed_cost_and_times_trees_apart():
