@@ -89,41 +89,44 @@ def forward_costs(model, batches, prefix=512, reps=5):
     """Median seconds of one forward over ``[B, W]`` for each B and W: read
     back before the next (a verify round), except W = 1, timed as mlx-lm
     decodes (each step built while the previous one runs), which is what
-    stock pays and what a round with nothing to draft pays."""
-    out = {}
+    stock pays and what a round with nothing to draft pays. Every cell is
+    timed once per pass, ``reps`` passes after a warm-up one, so that a
+    change in the machine's load moves all cells alike."""
+    caches, times = {}, {}
     for B in batches:
-        cache = make_prompt_cache(model)
-        mx.eval(model(mx.tile(mx.arange(100, 100 + prefix)[None], (B, 1)), cache=cache))
-        for W in WIDTHS:
-            toks = mx.tile(mx.arange(200, 200 + W)[None], (B, 1))
-            times = []
-            for _ in range(reps + 1):
+        caches[B] = make_prompt_cache(model)
+        mx.eval(model(mx.tile(mx.arange(100, 100 + prefix)[None], (B, 1)), cache=caches[B]))
+    for rep in range(reps + 1):
+        for B in batches:
+            cache = caches[B]
+            for W in WIDTHS[1:]:
+                toks = mx.tile(mx.arange(200, 200 + W)[None], (B, 1))
                 t0 = time.perf_counter()
                 mx.eval(mx.argmax(model(toks, cache=cache), axis=-1))
-                times.append(time.perf_counter() - t0)
+                if rep:  # the first pass warms each shape
+                    times.setdefault((B, W), []).append(time.perf_counter() - t0)
                 trim_prompt_cache(cache, W)
-            out[B, W] = statistics.median(times[1:])  # the first warms this shape
-        out[B, 1] = pipelined_step(model, cache, B, reps)
-    return out
+            step = pipelined_step(model, cache, B)
+            if rep:
+                times.setdefault((B, 1), []).append(step)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
-def pipelined_step(model, cache, B, reps, steps=16):
-    """Median over ``reps`` runs of seconds per step of ``steps`` greedy
-    steps, each built and started before the previous one is read back."""
-    times = []
-    for _ in range(reps + 1):
-        y = mx.full((B, 1), 200, mx.uint32)
-        mx.eval(y)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            nxt = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1).astype(mx.uint32)
-            mx.async_eval(nxt)
-            y.tolist()
-            y = nxt
+def pipelined_step(model, cache, B, steps=16):
+    """Seconds per step of ``steps`` greedy steps, each built and started
+    before the previous one is read back."""
+    y = mx.full((B, 1), 200, mx.uint32)
+    mx.eval(y)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1).astype(mx.uint32)
+        mx.async_eval(nxt)
         y.tolist()
-        times.append((time.perf_counter() - t0) / steps)
-        trim_prompt_cache(cache, steps)
-    return statistics.median(times[1:])
+        y = nxt
+    y.tolist()
+    seconds = (time.perf_counter() - t0) / steps
+    trim_prompt_cache(cache, steps)
+    return seconds
 
 
 def simulate(lengths, C, cost, laps=1):
