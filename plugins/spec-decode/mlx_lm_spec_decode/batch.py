@@ -54,6 +54,9 @@ MISS_RUN = 4  # proposal-less rounds in a row before plain steps come in doublin
 COST_RUN = 8  # plain steps after the cost model said drafting does not pay (doubling
 # while it keeps saying so, up to 64: each decision reads the pending tokens back,
 # which on a GPU stalls the pipelined steps)
+CPU_COST_RUN = 1  # the same on the CPU, where a step read back costs what a pipelined
+# one does: a decision costs only the drafters' lookups, and text that starts to
+# match again is drafted a step later, not up to 64
 
 
 class Row:
@@ -146,6 +149,7 @@ class SpecGenerationBatch(GenerationBatch):
         self.owed: Optional[Tuple[float, Any]] = None  # the previous call's timing, unsent
         self.returned = 0.0  # when the previous call returned
         self.steps = 0  # plain steps run (each row's figures catch up when it leaves)
+        self.idle = 0  # plain steps since the last round
         super().__init__(*args, **kwargs)
 
     # ----------------------------------------------------- rows join and leave
@@ -277,12 +281,13 @@ class SpecGenerationBatch(GenerationBatch):
             self.plain_left = 1 if self.misses <= MISS_RUN else 1 << min(self.misses - MISS_RUN, 3)
             return self._plain()
         self.misses = 0
-        gamma = spec.ctl.choose(B, lengths, [r.alpha for r in self.rows])
+        gamma = spec.ctl.choose(B, lengths, [r.alpha for r in self.rows], self.idle)
         if gamma == 0:
             for i, row in enumerate(self.rows):
                 if drafts[i]:
                     row.guess = (len(self.tokens[i]) + 1, drafts[i])
-            self.plain_left = COST_RUN << min(self.declined, 3)
+            run = CPU_COST_RUN if mx.default_device() == mx.cpu else COST_RUN
+            self.plain_left = run << min(self.declined, 3)
             self.declined += 1
             return self._plain()
         self.declined = 0
@@ -295,6 +300,7 @@ class SpecGenerationBatch(GenerationBatch):
         self.plain_left = max(0, self.plain_left - 1)
         B = len(self.uids)
         self.steps += 1  # before the step: finished rows settle on filter
+        self.idle += 1
         t0 = time.perf_counter()
         out = super().next()
         if self.spec is not None and self.last_plain_b == B:
@@ -311,6 +317,7 @@ class SpecGenerationBatch(GenerationBatch):
         """One verify forward over every row's window, then per-row emission."""
         B = len(self.uids)
         W = 1 + max(len(d) for d in drafts)
+        self.idle = 0
         windows, parents, sizes = [], [], []
         trees_pay = any(t is not None for t in trees) and self.spec.ctl.trees_pay(B)
         for i, d in enumerate(drafts):

@@ -15,9 +15,9 @@ from its drafts at its measured acceptance. Rounds that verified branching
 token trees are timed apart: where a tree costs more than a chain of its
 width (a GPU's extra kernels), rows draft chains. γ = 0 (a plain batched step) wins
 whenever drafting does not pay, so a batch never decodes slower than the
-plain batched loop by more than the measurements' noise (and one round in
-every ``RETRY`` decisions that chose it, so that the round's timings stay
-current). The prediction is checked against what rounds did: where a batch
+plain batched loop by more than the measurements' noise (and one round
+after ``RETRY`` decisions that chose it and ``RETRY_STEPS`` plain steps, so
+that the round's timings stay current). The prediction is checked against what rounds did: where a batch
 size's recent rounds emitted fewer tokens per second, call to call, than
 its plain steps, γ is 0 there whatever the model predicts.
 """
@@ -157,6 +157,7 @@ class BatchController:
     EXPLORE = 3  # verify rounds timed before the cost model decides (the median of
     # three outvotes one round that stalled, e.g. on a GPU kernel compiled on first use)
     RETRY = 4  # drafting decisions in a row that chose γ = 0 before one round runs anyway
+    RETRY_STEPS = 120  # ... and plain steps since the last round, where the caller counts them
     SLACK = 1.05  # drafting must promise this much more throughput than plain steps
     REPROBE = 48  # verify rounds at one batch size between plain re-measurements
     OWN = 8  # verify rounds at a batch size on a neighbour's plain cost before its own
@@ -272,8 +273,11 @@ class BatchController:
             return False
         return sum(n for n, _ in done) / sum(t for _, t in done) < plain_rate
 
-    def choose(self, B: int, proposed: List[int], alphas: List[float]) -> int:
-        """Draft length for this round (0: a plain batched step)."""
+    def choose(
+        self, B: int, proposed: List[int], alphas: List[float], idle: Optional[int] = None
+    ) -> int:
+        """Draft length for this round (0: a plain batched step); ``idle``:
+        plain steps since the last round, if the caller counts them."""
         top = max(proposed, default=0)
         if top == 0:
             return 0
@@ -296,7 +300,7 @@ class BatchController:
             self.gamma, self.declined = best, 0
             return best
         self.declined += 1
-        if self.declined < self.RETRY:
+        if self.declined < self.RETRY or (idle is not None and idle < self.RETRY_STEPS):
             return 0
         # Only rounds renew a round's timings: without one now and then, rounds
         # timed while the machine was busy would keep γ at 0 for good.

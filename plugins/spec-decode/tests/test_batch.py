@@ -230,6 +230,10 @@ def test_controller_picks_the_faster_option_and_borrows_a_neighbours_costs():
     # Every RETRY declines in a row, one round anyway (at the last γ) to renew the timings.
     picks = [ctl.choose(4, [3, 3, 3, 3], [0.3] * 4) for _ in range(3 * BatchController.RETRY)]
     assert sorted(set(picks)) == [0, ctl.gamma] and picks.count(ctl.gamma) == 3
+    # A caller that counts plain steps since the last round: not before RETRY_STEPS.
+    picks = [ctl.choose(4, [3] * 4, [0.3] * 4, idle=10) for _ in range(3 * BatchController.RETRY)]
+    assert set(picks) == {0}
+    assert ctl.choose(4, [3] * 4, [0.3] * 4, idle=BatchController.RETRY_STEPS) == ctl.gamma
     # A batch size seen for the first time decides at once from its neighbour's
     # costs (a column scaled up for more rows), then times its own plain steps.
     assert not ctl.needs_plain(6)
