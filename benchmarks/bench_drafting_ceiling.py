@@ -55,6 +55,12 @@ WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 CONTEXTS = (("n >= 2", 2), ("n >= 1", 1), ("any", 0))
 
 
+def header(first):
+    """A results table's two header lines: ``first`` columns, then one per context."""
+    cells = " | ".join(f"{c}: tok/fwd, ceiling" for c, _ in CONTEXTS)
+    return f"| {first} | {cells} |\n|---|---|" + "---|" * len(CONTEXTS)
+
+
 def greedy(model, prompt, max_tokens):
     steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens)
     return [int(tok) for tok, _ in steps]
@@ -198,16 +204,14 @@ def main():
         print(f"| {B} | {1e3 * costs[B, 1]:.1f} | {cells} |")
     print(f"\n(costs measured in {time.perf_counter() - t0:.0f} s)\n", flush=True)
 
-    # Serial workloads: (name, [(context, prompt)]): each request may copy from its context.
+    # Serial workloads: (name, prompts). A replay's request may copy from the
+    # prompts and outputs before it (the corpus).
     serial = [(name, [chat(tok, text)]) for name, text in single_prompts()]
     serial.append(("agent: repeated asks", [chat(tok, t) for t in agent_requests()]))
     serial.append(
         ("agent: near-identical asks", [chat(tok, t) for t in agent_requests(NEAR_WORDINGS)])
     )
-    print(
-        "| workload | tokens | " + " | ".join(f"{c}: tok/fwd, ceiling" for c, _ in CONTEXTS) + " |"
-    )
-    print("|---|---|" + "---|" * len(CONTEXTS), flush=True)
+    print(header("workload | tokens"), flush=True)
     for name, requests in serial:
         max_tokens = 64 if name.startswith("agent") else 96
         outs, seen = [], []
@@ -223,12 +227,7 @@ def main():
         total = sum(len(o) for _, o in outs)
         print(f"| {name} | {total} | " + " | ".join(cells) + " |", flush=True)
 
-    print(
-        "\n| pool (batched server) | C | "
-        + " | ".join(f"{c}: tok/fwd, ceiling" for c, _ in CONTEXTS)
-        + " |"
-    )
-    print("|---|---|" + "---|" * len(CONTEXTS), flush=True)
+    print("\n" + header("pool (batched server) | C"), flush=True)
     for pool_name, pool in (("grounded", grounded()), ("open", OPEN)):
         outs = []
         for text in pool:
@@ -236,13 +235,11 @@ def main():
             outs.append((list(prompt), greedy(model, prompt, 128)))
         by_n = {n: [copy_lengths(ctx, out, n, cap) for ctx, out in outs] for _, n in CONTEXTS}
         for C in levels:
+            cost = {
+                (B, w): costs[nearest_batch(B, batches), w] for B in range(1, C + 1) for w in WIDTHS
+            }
             cells = []
             for _, n in CONTEXTS:
-                cost = {
-                    (B, w): costs[nearest_batch(B, batches), w]
-                    for B in range(1, C + 1)
-                    for w in WIDTHS
-                }
                 ratio, tpf = simulate(by_n[n], C, cost, laps=4)
                 cells.append(f"{tpf:.2f}, {ratio:.2f}x")
             print(f"| {pool_name} | {C} | " + " | ".join(cells) + " |", flush=True)

@@ -144,7 +144,6 @@ class SpecGenerationBatch(GenerationBatch):
         self.rows: List[Row] = []
         self.plain_left = 0  # plain steps to run before the next drafting decision
         self.misses = 0
-        self.declined = 0  # drafting decisions in a row that chose γ = 0
         self.last_plain_b = 0  # batch size of the previous call, if it was a pipelined plain step
         self.owed: Optional[Tuple[float, Any]] = None  # the previous call's timing, unsent
         self.returned = 0.0  # when the previous call returned
@@ -286,11 +285,10 @@ class SpecGenerationBatch(GenerationBatch):
             for i, row in enumerate(self.rows):
                 if drafts[i]:
                     row.guess = (len(self.tokens[i]) + 1, drafts[i])
+            # Doubling while the decisions stay 0 (the controller counts them).
             run = CPU_COST_RUN if mx.default_device() == mx.cpu else COST_RUN
-            self.plain_left = run << min(self.declined, 3)
-            self.declined += 1
+            self.plain_left = run << min(spec.ctl.declined - 1, 3)
             return self._plain()
-        self.declined = 0
         self.prompt_cache = caches
         return self._round(pending, [d[:gamma] for d in drafts], trees, t0)
 

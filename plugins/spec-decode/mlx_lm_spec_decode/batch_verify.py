@@ -17,9 +17,10 @@ width (a GPU's extra kernels), rows draft chains. γ = 0 (a plain batched step) 
 whenever drafting does not pay, so a batch never decodes slower than the
 plain batched loop by more than the measurements' noise (and one round
 after ``RETRY`` decisions that chose it and ``RETRY_STEPS`` plain steps, so
-that the round's timings stay current). The prediction is checked against what rounds did: where a batch
-size's recent rounds emitted fewer tokens per second, call to call, than
-its plain steps, γ is 0 there whatever the model predicts.
+that the round's timings stay current). The prediction is checked against
+what rounds did: where a batch size's recent rounds emitted fewer tokens
+per second, call to call, than its plain steps, γ is 0 there whatever the
+model predicts.
 """
 
 from collections import deque
@@ -281,11 +282,10 @@ class BatchController:
         top = max(proposed, default=0)
         if top == 0:
             return 0
-        if not self.adaptive:
-            return min(self.gamma, top)
-        cost = self.cost(B) if self.auto_off else None
+        cost = self.cost(B) if self.adaptive and self.auto_off else None
         if cost is None:
-            return min(self.gamma, top)  # explore (or no switch-off asked for)
+            self.declined = 0
+            return min(self.gamma, top)  # explore (or no adaptation or switch-off asked for)
         p, extra, b = cost
         plain_rate = B / p
         best, best_rate = 0, plain_rate * self.SLACK
