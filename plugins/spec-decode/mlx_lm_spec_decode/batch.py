@@ -336,21 +336,22 @@ class SpecGenerationBatch(GenerationBatch):
         # matmuls: the fused op there builds a cuDNN graph per cache length.
         policy = target_mod.attention_policy()
         policy = "explicit" if policy == "padded" else policy  # padded: plain caches only
-        with target_mod.round_stream(W):  # CUDA: apart from the plain steps' graphs
-            if any(branching):
-                logits = batch_tree.forward(self.model, self.prompt_cache, windows, parents, policy)
-                lps, paths, targets, rejected = batch_tree.verify(
-                    logits, windows, parents, sizes, rules, self.logits_processors, contexts
-                )
-                accepted = [len(p) - 1 for p in paths]
-            else:
-                with target_mod.verify_attention(self.model, W, policy):
-                    logits = self.model(mx.array(windows, mx.uint32), cache=self.prompt_cache)
-                lps, accepted, targets = verify(
-                    logits, windows, drafts, rules, self.logits_processors, contexts
-                )
-                paths = [list(range(a + 1)) for a in accepted]
-                rejected = [a < len(d) for a, d in zip(accepted, drafts, strict=True)]
+        if any(branching):
+            logits = batch_tree.forward(self.model, self.prompt_cache, windows, parents, policy)
+        else:
+            with target_mod.verify_attention(self.model, W, policy):
+                logits = self.model(mx.array(windows, mx.uint32), cache=self.prompt_cache)
+        if any(branching):
+            lps, paths, targets, rejected = batch_tree.verify(
+                logits, windows, parents, sizes, rules, self.logits_processors, contexts
+            )
+            accepted = [len(p) - 1 for p in paths]
+        else:
+            lps, accepted, targets = verify(
+                logits, windows, drafts, rules, self.logits_processors, contexts
+            )
+            paths = [list(range(a + 1)) for a in accepted]
+            rejected = [a < len(d) for a, d in zip(accepted, drafts, strict=True)]
         emitted, finish = [], []
         for i in range(B):
             toks = [windows[i][j] for j in paths[i]]

@@ -34,60 +34,15 @@ POLICIES = ("auto", "fused", "explicit", "padded")
 AUTO_CUDA = "padded"
 
 
-def on_cuda() -> bool:
-    cuda = getattr(mx, "cuda", None)
-    return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
-
-
 def attention_policy() -> str:
     how = os.environ.get("MLX_LM_SPEC_ATTENTION", "auto").strip().lower() or "auto"
     if how not in POLICIES:
         raise ValueError(f"MLX_LM_SPEC_ATTENTION must be one of {', '.join(POLICIES)}, got {how!r}")
     if how == "auto":
-        return AUTO_CUDA if on_cuda() else "fused"
+        cuda = getattr(mx, "cuda", None)
+        on_cuda = cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
+        return AUTO_CUDA if on_cuda else "fused"
     return how
-
-
-# ------------------------------------------------ one stream per window width
-
-# MLX's CUDA backend records each stream's work as CUDA graphs and keeps the
-# executable ones in a per-stream cache keyed by topology alone (node kinds
-# and edges, not shapes). A verify forward over [B, W] has the topology of a
-# plain [B, 1] step, so each replaces the other's entry, and where the matmul
-# library picks other kernels for the other shape the entry cannot be updated
-# in place and is built again: on an H200, one batched round in five stalled
-# 25-57 ms in its forward at shapes it had run before. Each window width gets
-# its own stream there, hence its own cache; MLX orders the streams' work by
-# the arrays they share. MLX_LM_SPEC_ROUND_STREAMS=auto|on|off: auto is on a
-# CUDA GPU only, on is any device (the tests' CPU runs), off keeps one stream.
-_width_streams: Dict[Tuple[str, int], Any] = {}
-
-
-def width_stream(width: int) -> Optional[Any]:
-    """The stream a verify round over ``width`` tokens per row runs on, or
-    ``None`` (the caller's) where rounds share the plain steps' stream."""
-    how = os.environ.get("MLX_LM_SPEC_ROUND_STREAMS", "auto").strip().lower() or "auto"
-    if how not in ("auto", "on", "off"):
-        raise ValueError(f"MLX_LM_SPEC_ROUND_STREAMS must be auto, on or off, got {how!r}")
-    if how == "off" or (how == "auto" and not on_cuda()):
-        return None
-    device = mx.default_device()
-    key = (str(device), width)  # Device objects compare by identity
-    s = _width_streams.get(key)
-    if s is None:
-        s = _width_streams[key] = mx.new_stream(device)
-    return s
-
-
-@contextlib.contextmanager
-def round_stream(width: int) -> Iterator[None]:
-    """Run the block on ``width_stream(width)`` where there is one."""
-    s = width_stream(width)
-    if s is None:
-        yield
-        return
-    with mx.stream(s):
-        yield
 
 
 def explicit_attention(
