@@ -268,10 +268,19 @@ class BatchController:
         second than plain steps do, whatever the cost model predicts: the
         tokens are counted, not expected, and the seconds run from one call
         to the next, so a cost the model does not see (a server's work
-        around a round, acceptance below the rows' estimates) still shows."""
-        done = self.yielded.get(B, ())
-        if len(done) < self.EXPLORE:
+        around a round, acceptance below the rows' estimates) still shows.
+        A size with too few rounds of its own takes the nearest size's
+        record, against that size's plain steps: as rows leave one by one,
+        each new size would otherwise run its own losing rounds first."""
+        near = self._near(self.yielded, B, self.EXPLORE)
+        if near is None:
             return False
+        if near != B:
+            bp = self._near(self.plain, near, 1)
+            if bp is None:
+                return False
+            plain_rate = near / median(self.plain[bp])
+        done = self.yielded[near]
         return sum(n for n, _ in done) / sum(t for _, t in done) < plain_rate
 
     def choose(
