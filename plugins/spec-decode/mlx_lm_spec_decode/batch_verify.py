@@ -269,12 +269,14 @@ class BatchController:
         tokens are counted, not expected, and the seconds run from one call
         to the next, so a cost the model does not see (a server's work
         around a round, acceptance below the rows' estimates) still shows.
-        A size with too few rounds of its own takes the nearest size's
-        record, against that size's plain steps: as rows leave one by one,
-        each new size would otherwise run its own losing rounds first."""
-        near = self._near(self.yielded, B, self.EXPLORE)
-        if near is None:
+        A size with too few rounds of its own takes the record of the
+        largest smaller size that has one, against that size's plain steps:
+        where fewer rows lost, more rows lose too (a step's cost grows with
+        rows, a round's even more), while fewer rows may still win."""
+        have = [k for k, q in self.yielded.items() if len(q) >= self.EXPLORE and k <= B]
+        if not have:
             return False
+        near = max(have)
         if near != B:
             bp = self._near(self.plain, near, 1)
             if bp is None:

@@ -265,13 +265,15 @@ def test_controller_stops_drafting_where_rounds_emitted_less_than_plain_steps():
     ctl = timed(5)
     picks = [ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) for _ in range(2 * BatchController.RETRY)]
     assert picks.count(0) == 2 * BatchController.RETRY - 2
-    # A row leaves: three rows, no rounds of their own, take four's record.
-    assert ctl.choose(3, [3, 3, 3], [0.9] * 3) == 0
+    # A row joins: five rows, no rounds of their own, take four's record;
+    # three rows do not (fewer rows may still win), so the cost model decides.
+    assert ctl.choose(5, [3] * 5, [0.9] * 5) == 0
+    assert ctl.choose(3, [3, 3, 3], [0.9] * 3) == 3
     # Rounds that do better refresh the figures, and drafting resumes.
     for _ in range(BatchController.SAMPLES):
         ctl.verify_round(4, 4, 0.15, tokens=12)
     assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) == 3
-    assert ctl.choose(3, [3, 3, 3], [0.9] * 3) == 3
+    assert ctl.choose(5, [3] * 5, [0.9] * 5) == 3
 
 
 def test_controller_fits_a_rounds_fixed_cost_and_times_trees_apart():
