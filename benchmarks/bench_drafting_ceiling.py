@@ -17,7 +17,12 @@ occurred before), to one token (``n >= 1``), and unlimited (``any``: the
 longest copy from anywhere, with no context at all), it gives tokens per
 forward and the speed-up over plain decoding that no copying drafter can
 pass on this machine: a real drafter also proposes tokens that fail, and
-must pick among occurrences without knowing the output.
+must pick among occurrences without knowing the output. A fourth column
+(``n-gram drafts``) takes the n-gram drafter's own proposal at each
+position instead (the latest occurrence of the longest suffix, as
+``--drafter ngram`` finds it) and lets the oracle choose only how many of
+its tokens to verify: what that drafter could reach with a perfect choice
+of draft length.
 
 Costs are measured here: a forward over ``[B, W]`` after a 512-token cache
 (median of ``--reps``), in plain steps of the same batch size. Serial
@@ -50,9 +55,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mlx_lm_ext import models
+from mlx_lm_spec_decode.ngram import NGramCache
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
-CONTEXTS = (("n >= 2", 2), ("n >= 1", 1), ("any", 0))
+# (column, n): the oracle's copies preceded by n matching tokens; None: the
+# n-gram drafter's proposals, of which the oracle picks how many to verify.
+CONTEXTS = (("n >= 2", 2), ("n >= 1", 1), ("any", 0), ("n-gram drafts", None))
 
 
 def header(first):
@@ -89,6 +97,28 @@ def copy_lengths(context, output, n, cap):
                 break
         lengths.append(best)
     return lengths
+
+
+def ngram_lengths(context, output, cap, n_min=2, n_max=4):
+    """For each output position i: how many of ``output[i:]`` the n-gram
+    drafter's proposal there (``cap`` tokens) gets right."""
+    index, lengths = NGramCache(n_min, n_max), []
+    index.extend(context)
+    for i, tok in enumerate(output):
+        draft = index.lookup(cap)
+        k = 0
+        while k < len(draft) and i + k < len(output) and draft[k] == output[i + k]:
+            k += 1
+        lengths.append(k)
+        index.extend([tok])
+    return lengths
+
+
+def lengths_for(context, output, n, cap):
+    """``copy_lengths``, or ``ngram_lengths`` for the column whose ``n`` is None."""
+    if n is None:
+        return ngram_lengths(context, output, cap)
+    return copy_lengths(context, output, n, cap)
 
 
 def forward_costs(model, batches, prefix=512, reps=5):
@@ -221,7 +251,7 @@ def main():
             seen = seen + list(prompt) + out  # later requests may copy from it (the corpus)
         cells = []
         for _, n in CONTEXTS:
-            L = [copy_lengths(ctx, out, n, cap) for ctx, out in outs]
+            L = [lengths_for(ctx, out, n, cap) for ctx, out in outs]
             ratio, tpf = simulate(L, 1, {(1, w): costs[1, w] for w in WIDTHS})
             cells.append(f"{tpf:.2f}, {ratio:.2f}x")
         total = sum(len(o) for _, o in outs)
@@ -233,7 +263,7 @@ def main():
         for text in pool:
             prompt = chat(tok, text)
             outs.append((list(prompt), greedy(model, prompt, 128)))
-        by_n = {n: [copy_lengths(ctx, out, n, cap) for ctx, out in outs] for _, n in CONTEXTS}
+        by_n = {n: [lengths_for(ctx, out, n, cap) for ctx, out in outs] for _, n in CONTEXTS}
         for C in levels:
             cost = {
                 (B, w): costs[nearest_batch(B, batches), w] for B in range(1, C + 1) for w in WIDTHS

@@ -50,6 +50,21 @@ def test_copy_runs_into_the_output_and_needs_its_context():
     assert ceiling.copy_lengths([7, 1, 2, 3], [1, 2, 3], 1, 15)[:2] == [0, 2]
 
 
+def test_ngram_lengths_score_the_drafters_own_proposal():
+    # "1 2 3 4" then "1 2": the drafter proposes "3 4 1 2" (what followed
+    # "1 2"); the output goes "3 9": one right. After "1 2 3" it proposes "4",
+    # wrong; "3 9" and "9 1" never occurred, so nothing. At the output's
+    # "1 2" the latest occurrence is the one the output continued ("3 9"):
+    # two right, and after "1 2 3" now "9": one.
+    context, output = [1, 2, 3, 4, 1, 2], [3, 9, 1, 2, 3, 9]
+    assert ceiling.ngram_lengths(context, output, 4) == [1, 0, 0, 0, 2, 1]
+    # Where the latest occurrence is the wrong one: after "1 2" the drafter
+    # proposes "6" (the latest), the oracle copies "5" (an earlier one).
+    context, output = [7, 1, 2, 5, 8, 1, 2, 6, 9], [1, 2, 5]
+    assert ceiling.ngram_lengths(context, output, 4)[2] == 0
+    assert ceiling.copy_lengths(context, output, 2, 4)[2] == 1
+
+
 def flat(batches, per_step=1.0, per_column=0.0):
     return {(B, w): per_step + per_column * (w - 1) for B in batches for w in ceiling.WIDTHS}
 
