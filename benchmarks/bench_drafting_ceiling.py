@@ -55,7 +55,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mlx_lm_ext import models
-from mlx_lm_spec_decode.ngram import NGramCache
+from mlx_lm_spec_decode import NGramDrafter
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 # (column, n): the oracle's copies preceded by n matching tokens; None: the
@@ -99,10 +99,11 @@ def copy_lengths(context, output, n, cap):
     return lengths
 
 
-def ngram_lengths(context, output, cap, n_min=2, n_max=4):
+def ngram_lengths(context, output, cap):
     """For each output position i: how many of ``output[i:]`` the n-gram
-    drafter's proposal there (``cap`` tokens) gets right."""
-    index, lengths = NGramCache(n_min, n_max), []
+    drafter's proposal there (``cap`` tokens) gets right, with the index
+    the drafter builds (its default n-gram lengths)."""
+    (index,), lengths = NGramDrafter().make_cache(), []
     index.extend(context)
     for i, tok in enumerate(output):
         draft = index.lookup(cap)
