@@ -1,0 +1,155 @@
+"""The docs name only code that exists.
+
+Every backticked ``module.name`` in the READMEs and ``docs/`` whose module is
+one of ours (by its last part, e.g. ``integration.enable``, or dotted,
+``mlx_lm_ext.integration.enable``) must name a function, class or variable
+defined there; every ``mlx_lm.module.name`` must exist in the installed
+mlx-lm. The code is read with ``ast`` (ours) or imported (mlx-lm's).
+"""
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "benchmarks" / "README.md",
+    *sorted(ROOT.glob("docs/*.md")),
+    *sorted(ROOT.glob("plugins/*/README.md")),
+]
+PACKAGES = [ROOT / "mlx_lm_ext", *sorted(ROOT.glob("plugins/*/mlx_lm_*"))]
+# `a.b` or `a.b.c` in backticks, optionally called: `integration.enable()`.
+REF = re.compile(r"`((?:[A-Za-z_][A-Za-z0-9_]*\.)+[A-Za-z_][A-Za-z0-9_]*)(?:\([^`]*\))?`")
+FILE_SUFFIXES = {
+    "py", "md", "json", "jsonl", "toml", "sh", "txt", "yaml", "yml", "npz",
+    "safetensors", "gguf", "cuh", "pth", "tmp", "lock", "rejected",
+}  # fmt: skip
+# Module names that the docs also use as plain words for mlx-lm objects
+# (`cache.offset` is a KV cache's attribute, not ssd-cache's cache module).
+GENERIC = {"cache"}
+
+
+def _names(path):
+    """Top-level names a module defines or imports, and its classes' members."""
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                out |= {f"{node.name}.{n}" for n in _class_members(node)}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                out |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    for node in tree.body:  # names served lazily through __getattr__ and __all__
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            out |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+    return out
+
+
+def _class_members(cls):
+    out = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    for node in ast.walk(cls):  # attributes set in methods: self.x = ...
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "self" and isinstance(node.ctx, ast.Store):
+                out.add(node.attr)
+    return out
+
+
+def our_modules():
+    """``{dotted name: defined names}``, keyed by full and by last part(s)."""
+    full = {}
+    for pkg in PACKAGES:
+        for path in pkg.rglob("*.py"):
+            parts = list(path.relative_to(pkg.parent).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            full[".".join(parts)] = _names(path)
+    return full
+
+
+def references(text):
+    for m in REF.finditer(text):
+        ref = m.group(1)
+        if ref.rsplit(".", 1)[1] in FILE_SUFFIXES:
+            continue  # a file name such as `loop.py`
+        yield ref
+
+
+def check(ref, modules):
+    """None if ``ref`` resolves, else why not; references to others' code pass."""
+    parts = ref.split(".")
+    if "X" in parts:
+        return None  # a placeholder: `mlx_lm.X`
+    if ref.startswith("mlx_lm."):
+        return _check_mlx_lm(ref)
+    if any(m == ref or m.endswith("." + ref) for m in modules):
+        return None  # a module: `mlx_lm_ext.plugins`
+    for cut in range(len(parts) - 1, 0, -1):
+        mod, name = ".".join(parts[:cut]), parts[cut]
+        owners = [m for m in modules if m == mod or m.endswith("." + mod)]
+        if not owners:
+            continue
+        # `Class.method` and `module.OBJECT.attr`: the first name after the
+        # module must exist; a class's own members are checked too.
+        member = ".".join(parts[cut : cut + 2])
+        if any(name in modules[m] for m in owners):
+            if cut + 1 < len(parts) and any(member in modules[m] for m in owners):
+                return None
+            if cut + 1 == len(parts) or not any(f"{name}." in " ".join(modules[m]) for m in owners):
+                return None
+            return f"{member} is not a member in {', '.join(owners)}"
+        if cut == 1 and mod in GENERIC:
+            return None
+        return f"{name} is not defined in {', '.join(owners)}"
+    return None  # not a module of ours (e.g. `args.model`)
+
+
+def _check_mlx_lm(ref):
+    parts = ref.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return f"mlx-lm has no {ref}"
+            obj = getattr(obj, attr)
+        return None
+    return f"mlx-lm has no {ref}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_name_only_existing_code(doc):
+    modules = our_modules()
+    bad = sorted(
+        {f"`{r}`: {why}" for r in references(doc.read_text()) if (why := check(r, modules))}
+    )
+    assert bad == [], "\n".join(bad)
+
+
+def test_a_stale_name_is_caught():
+    modules = our_modules()
+    assert check("integration.enable", modules) is None
+    assert check("integration.no_such_function", modules) is not None
+    assert check("batch.SpecBatchGenerator", modules) is None
+    assert check("batch.SpecBatchGenerator.no_such_method", modules) is not None
+    assert check("mlx_lm_ext.plugins", modules) is None
+    assert check("mlx_lm.generate.stream_generate", modules) is None
+    assert check("mlx_lm.generate.no_such_function", modules) is not None
