@@ -314,96 +314,27 @@ class SpecGenerationBatch(GenerationBatch):
     ) -> List[GenerationBatch.Response]:
         """One verify forward over every row's window, then per-row emission."""
         B = len(self.uids)
-        W = 1 + max(len(d) for d in drafts)
         self.idle = 0
-        windows, parents, sizes = [], [], []
-        trees_pay = any(t is not None for t in trees) and self.spec.ctl.trees_pay(B)
-        for i, d in enumerate(drafts):
-            par = list(range(-1, len(d)))
-            if trees[i] is not None and trees_pay:
-                nodes, tpar = trees[i].fill(W)
-                if not tree_mod.is_chain(tpar):
-                    d, par = nodes, tpar
-            sizes.append(1 + len(d))
-            windows.append([pending[i]] + d + [0] * (W - 1 - len(d)))
-            parents.append(par + list(range(len(par) - 1, W - 1)))  # padding: a chain
+        windows, parents, sizes = self._windows(pending, drafts, trees)
+        W = len(windows[0])
         branching = [not tree_mod.is_chain(p[:n]) for p, n in zip(parents, sizes, strict=True)]
-        contexts = [
-            self._token_context[i].tokens if self.logits_processors[i] else None for i in range(B)
-        ]
-        rules = [r.rule for r in self.rows]
-        # On a CUDA GPU in half precision the window's attention runs as
-        # matmuls: the fused op there builds a cuDNN graph per cache length.
-        policy = target_mod.attention_policy()
-        policy = "explicit" if policy == "padded" else policy  # padded: plain caches only
-        if any(branching):
-            logits = batch_tree.forward(self.model, self.prompt_cache, windows, parents, policy)
-        else:
-            with target_mod.verify_attention(self.model, W, policy):
-                logits = self.model(mx.array(windows, mx.uint32), cache=self.prompt_cache)
-        if any(branching):
-            lps, paths, targets, rejected = batch_tree.verify(
-                logits, windows, parents, sizes, rules, self.logits_processors, contexts
-            )
-            accepted = [len(p) - 1 for p in paths]
-        else:
-            lps, accepted, targets = verify(
-                logits, windows, drafts, rules, self.logits_processors, contexts
-            )
-            paths = [list(range(a + 1)) for a in accepted]
-            rejected = [a < len(d) for a, d in zip(accepted, drafts, strict=True)]
-        emitted, finish = [], []
-        for i in range(B):
-            toks = [windows[i][j] for j in paths[i]]
-            reason = None
-            for n, tok in enumerate(toks):
-                self._num_tokens[i] += 1
-                if self._num_tokens[i] >= self.max_tokens[i]:
-                    reason = "length"
-                if self._matchers[i].advance(tok):
-                    reason = "stop"
-                if reason:
-                    toks = toks[: n + 1]
-                    break
-            emitted.append(toks)
-            finish.append(reason)
+        lps, paths, targets, rejected = self._check(windows, parents, sizes, drafts, branching)
+        accepted = [len(p) - 1 for p in paths]
+        emitted, finish = self._cut(windows, paths)
         keep_paths(self.prompt_cache, W, paths)
         rollback(self.prompt_cache, [W - len(t) for t in emitted])
         responses, keep = [], []
         prev_lps = self._next_logprobs
         for i, row in enumerate(self.rows):
             toks, k, a = emitted[i], sizes[i] - 1, accepted[i]
-            self.tokens[i].extend(toks)
-            if self.logits_processors[i]:
-                self._token_context[i].update_and_fetch(mx.array(toks, mx.int32))
-            st = row.stats
-            st.forwards += 1
-            st.emitted += len(toks)
-            if k:
-                st.draft_rounds += 1
-                st.drafted += k
-                st.accepted += min(a, len(toks) - 1)
-                st.tree_rounds += branching[i]
-                row.observe(k, a, rejected[i])
+            self._count(i, row, toks, k, a, branching[i], rejected[i])
             row_lps = [prev_lps[i]] + [lps[i][j] for j in range(len(toks) - 1)]
             cache = None
             if finish[i] is not None:
                 t = time.perf_counter()
                 cache = self.extract_cache(i)
                 t0 += time.perf_counter() - t  # a leaving row's cache: not the round's cost
-            for n, tok in enumerate(toks):
-                last = n == len(toks) - 1
-                done = finish[i] if last else None
-                responses.append(
-                    self.Response(
-                        uid=self.uids[i],
-                        token=tok,
-                        logprobs=row_lps[n],
-                        finish_reason=done,
-                        prompt_cache=cache if done else None,
-                        all_tokens=self.tokens[i] if done else None,
-                    )
-                )
+            responses.extend(self._responses(i, toks, row_lps, finish[i], cache))
             if finish[i] is None:
                 keep.append(i)
                 kept = [windows[i][j] for j in paths[i][1:]] + [targets[i]]
@@ -422,6 +353,119 @@ class SpecGenerationBatch(GenerationBatch):
         if len(keep) < B:
             self.filter(keep)
         return responses
+
+    def _windows(
+        self, pending: List[int], drafts: List[List[int]], trees: List[Any]
+    ) -> Tuple[List[List[int]], List[List[int]], List[int]]:
+        """Each row's window (pending token, drafts or tree nodes, padding to
+        the widest), its parents (a chain: i - 1) and its size before padding."""
+        B = len(drafts)
+        W = 1 + max(len(d) for d in drafts)
+        windows, parents, sizes = [], [], []
+        trees_pay = any(t is not None for t in trees) and self.spec.ctl.trees_pay(B)
+        for i, d in enumerate(drafts):
+            par = list(range(-1, len(d)))
+            if trees[i] is not None and trees_pay:
+                nodes, tpar = trees[i].fill(W)
+                if not tree_mod.is_chain(tpar):
+                    d, par = nodes, tpar
+            sizes.append(1 + len(d))
+            windows.append([pending[i]] + d + [0] * (W - 1 - len(d)))
+            parents.append(par + list(range(len(par) - 1, W - 1)))  # padding: a chain
+        return windows, parents, sizes
+
+    def _check(
+        self,
+        windows: List[List[int]],
+        parents: List[List[int]],
+        sizes: List[int],
+        drafts: List[List[int]],
+        branching: List[bool],
+    ) -> Tuple[List[mx.array], List[List[int]], List[int], List[bool]]:
+        """The verify forward and each row's acceptance: log-probs, the
+        accepted path (window positions from 0), next token, and whether a
+        draft was rejected."""
+        B, W = len(windows), len(windows[0])
+        contexts = [
+            self._token_context[i].tokens if self.logits_processors[i] else None for i in range(B)
+        ]
+        rules = [r.rule for r in self.rows]
+        # On a CUDA GPU in half precision the window's attention runs as
+        # matmuls: the fused op there builds a cuDNN graph per cache length.
+        policy = target_mod.attention_policy()
+        policy = "explicit" if policy == "padded" else policy  # padded: plain caches only
+        if any(branching):
+            logits = batch_tree.forward(self.model, self.prompt_cache, windows, parents, policy)
+            return batch_tree.verify(
+                logits, windows, parents, sizes, rules, self.logits_processors, contexts
+            )
+        with target_mod.verify_attention(self.model, W, policy):
+            logits = self.model(mx.array(windows, mx.uint32), cache=self.prompt_cache)
+        lps, accepted, targets = verify(
+            logits, windows, drafts, rules, self.logits_processors, contexts
+        )
+        paths = [list(range(a + 1)) for a in accepted]
+        rejected = [a < len(d) for a, d in zip(accepted, drafts, strict=True)]
+        return lps, paths, targets, rejected
+
+    def _cut(
+        self, windows: List[List[int]], paths: List[List[int]]
+    ) -> Tuple[List[List[int]], List[Optional[str]]]:
+        """Each row's tokens to emit, cut at a stop word or ``max_tokens`` as
+        plain steps would, and why it finished (None: it goes on)."""
+        emitted, finish = [], []
+        for i, path in enumerate(paths):
+            toks = [windows[i][j] for j in path]
+            reason = None
+            for n, tok in enumerate(toks):
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    reason = "length"
+                if self._matchers[i].advance(tok):
+                    reason = "stop"
+                if reason:
+                    toks = toks[: n + 1]
+                    break
+            emitted.append(toks)
+            finish.append(reason)
+        return emitted, finish
+
+    def _count(
+        self, i: int, row: Row, toks: List[int], k: int, a: int, tree: bool, rejected: bool
+    ) -> None:
+        """Row i emitted ``toks`` from a round that verified ``k`` drafts and
+        accepted ``a``: its history, its figures and its acceptance estimate."""
+        self.tokens[i].extend(toks)
+        if self.logits_processors[i]:
+            self._token_context[i].update_and_fetch(mx.array(toks, mx.int32))
+        st = row.stats
+        st.forwards += 1
+        st.emitted += len(toks)
+        if k:
+            st.draft_rounds += 1
+            st.drafted += k
+            st.accepted += min(a, len(toks) - 1)
+            st.tree_rounds += tree
+            row.observe(k, a, rejected)
+
+    def _responses(
+        self, i: int, toks: List[int], lps: List[Any], finish: Optional[str], cache: Any
+    ) -> List[GenerationBatch.Response]:
+        """Row i's responses, one per emitted token; the last carries the finish."""
+        out = []
+        for n, tok in enumerate(toks):
+            done = finish if n == len(toks) - 1 else None
+            out.append(
+                self.Response(
+                    uid=self.uids[i],
+                    token=tok,
+                    logprobs=lps[n],
+                    finish_reason=done,
+                    prompt_cache=cache if done else None,
+                    all_tokens=self.tokens[i] if done else None,
+                )
+            )
+        return out
 
 
 class SpecBatchGenerator(BatchGenerator):

@@ -182,8 +182,8 @@ class SuffixCorpus:
 
     SEP = SEP
 
-    # k = 3: on the replayed agent workload 3 drafts better than 4 or 6
-    # (tokens per forward 1.74, 1.68, 1.58): a skeleton's short spans count.
+    # k = 3: on the replayed agent workload 3 drafted better than 4 or 6
+    # (benchmarks/results/spec-decode-suffix-cpu.md): a skeleton's short spans count.
     def __init__(self, cap: int = DEFAULT_CORPUS_TOKENS, k: int = 3):
         if cap < 2 or k < 1:
             raise ValueError(f"need a corpus of at least 2 tokens and k >= 1, got {cap}, {k}")
@@ -340,7 +340,7 @@ class SuffixDrafter(Drafter):
     DECAY = 0.8
     PRIOR = 2.0  # the prior's weight, in drafted tokens
     # A verify over w tokens costs a + b * w plain steps: this until the
-    # loop has measured it (the CPU's float32 measures about (0.94, 0.065)),
+    # loop has measured it (near what a CPU's float32 forward measures),
     # and b is taken at most B_MAX: a measurement taken while other work
     # slowed a verify must not silence the drafter for good (no draft, no
     # new measurement). Where verifies are truly dear, the loop's own

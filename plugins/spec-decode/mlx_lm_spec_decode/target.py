@@ -21,8 +21,8 @@ def split(model: Any) -> Optional[Tuple[Callable, Callable]]:
 
 # MLX's CUDA backend runs multi-token attention in half precision through
 # cuDNN, whose graphs are cached by exact shape: a verify window at a new
-# cache length builds a new graph (measured on an H200: a drafting round of
-# a 135M bfloat16 target took ~50 ms instead of ~8). A window of a few
+# cache length builds a new graph (on an H200 a drafting round took several
+# times a plain step: benchmarks/results/spec-decode-h200.md). A window of a few
 # queries needs no fused kernel, so the loop's verify forwards run attention
 # as plain matmuls there ("explicit"), or ("padded") through the fused op
 # over the cache's whole preallocated buffer (a multiple of 256 rows) with
