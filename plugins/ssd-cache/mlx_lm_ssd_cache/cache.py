@@ -59,7 +59,7 @@ class SSDPromptCache(LRUPromptCache):
         *,
         directory: Union[str, os.PathLike],
         disk_bytes: int = 8 << 30,
-        verify: bool = False,
+        verify: bool = True,
         settings: Optional[dict] = None,
         tier: Optional[DiskTier] = None,
         live_models: Optional[Callable[[Any], Optional[List[Any]]]] = None,

@@ -11,9 +11,17 @@ The parts, each a module of functions over the shared ``store.Store``:
 ``scan`` (identify a model's directory, index its headers), ``restore`` (an
 entry back to a prompt cache), ``writer`` (the thread and the file writes),
 ``eviction`` (the byte cap, superseded prefixes).
+
+A cache restored from a file feeds every cache the server builds on it (the
+longer prompts that share its prefix, in memory and on disk), so a restore
+checks the tensor data against the header's CRC32s by default: a corrupt
+file is a miss, not an answer. With ``verify=False`` restores are not
+checked, and nothing that extends an unchecked restore is stored: the tier
+never signs data it did not check with fresh checksums.
 """
 
 import bisect
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -41,7 +49,7 @@ class DiskTier:
         directory: str | os.PathLike,
         max_bytes: int,
         *,
-        verify: bool = False,
+        verify: bool = True,
         settings: dict | None = None,
         block: int = 32,
         max_pending_bytes: int = 4 << 30,
@@ -54,7 +62,9 @@ class DiskTier:
 
         ``live_models(key)`` gives ``[model, draft model]`` as loaded for a
         model key (None: not known here); ``extra_classes()`` the plugin cache
-        classes that may ride after the model's caches.
+        classes that may ride after the model's caches. ``verify``: check
+        every restored file's tensor CRC32s (off: restores are unchecked, and
+        caches extending them are not stored).
         """
         self.store = Store(
             root=Path(directory).expanduser(),
@@ -63,6 +73,9 @@ class DiskTier:
             live_models=live_models or (lambda key: None),
         )
         self.verify = verify
+        # (fingerprint, namespace) -> {length: digests}: token prefixes restored
+        # without a CRC check; a cache whose tokens extend one is not stored.
+        self._unchecked: dict[tuple, dict[int, set]] = {}
         self.block = block
         self.max_pending_bytes = max_pending_bytes
         self.counters = self.store.counters
@@ -129,19 +142,22 @@ class DiskTier:
             if match is None:
                 return None
             t0 = time.perf_counter()
-            cache = restore.restore(
+            got = restore.restore(
                 self.store,
                 space,
                 match.entry,
                 verify=self.verify,
                 extra_classes=self._extra_classes,
             )
-            if cache is None:
+            if got is None:
                 continue
+            cache, checked = got
             extra = len(match.entry.tokens) - match.length
             if extra and trim_prompt_cache(cache, extra) != extra:
                 self.store.warn("trim", "a stored entry could not be trimmed; skipped")
                 return None
+            if not checked:
+                self._mark_unchecked(space, tokens[: match.length])
             self._record_hit(space, match, time.perf_counter() - t0)
             return cache, match.length
         return None
@@ -160,6 +176,15 @@ class DiskTier:
         if on_disk(match.entry):
             self._writer.submit(writer.touch, self.store, space, match.entry)
         log.info("ssd-cache: restored %d tokens from disk in %.3f s", match.length, dt)
+
+    def _mark_unchecked(self, space, prefix):
+        marks = self._unchecked.setdefault((space.fingerprint, space.namespace), {})
+        marks.setdefault(len(prefix), set()).add(_digest(prefix))
+
+    def _extends_unchecked(self, space, tokens) -> bool:
+        """Whether ``tokens`` start with a prefix restored without a CRC check."""
+        marks = self._unchecked.get((space.fingerprint, space.namespace), {})
+        return any(n <= len(tokens) and _digest(tokens[:n]) in d for n, d in marks.items())
 
     # ---------------------------------------------------------------- put
 
@@ -188,6 +213,11 @@ class DiskTier:
         if space is None:
             return
         tokens = np.asarray(tokens, dtype=np.int64)
+        if self._extends_unchecked(space, tokens):
+            # Built on KV data nobody checked: storing it would sign that data.
+            log.debug("ssd-cache: not stored: extends an unverified restore")
+            self.store.count(skipped=1)
+            return
         if self._known(space, entry_name(space.namespace, tokens), touch):
             return  # e.g. an eviction of an entry written at insert
         snap, tokens = self._snapshot(space, tokens, prompt_cache)
@@ -279,3 +309,8 @@ class DiskTier:
             out["pending"] = sum(s.pending for s in self.store.live_spaces())
             out["pending_bytes"] = self.store.pending_bytes
         return out
+
+
+def _digest(tokens) -> bytes:
+    data = np.asarray(tokens, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()

@@ -59,7 +59,7 @@ def options(args: argparse.Namespace) -> Tuple[Path, int, bool]:
     return (
         check_dir(directory),
         parse_bytes(getattr(args, "ssd_cache_bytes", None) or DEFAULT_BYTES),
-        bool(getattr(args, "ssd_cache_verify", False)),
+        bool(getattr(args, "ssd_cache_verify", True)),
     )
 
 
@@ -96,9 +96,11 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--ssd-cache-verify",
-        action="store_true",
-        help="Check every tensor's CRC32 on restore (slower restores; catches "
-        "corrupted data, not only corrupted headers).",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Check every tensor's CRC32 on restore (the default: a corrupt "
+        "entry is a miss). --no-ssd-cache-verify skips the check and stores "
+        "nothing that extends an unchecked restore.",
     )
 
 

@@ -2,8 +2,9 @@
 
 A pending entry is restored from the snapshot still on its way to disk. A file
 is checked again before its tensors are read (header, layout, tokens), since
-it may have changed since it was indexed; a file that fails is forgotten and
-set aside, and the caller tries its next best entry.
+it may have changed since it was indexed, and with ``verify`` its tensor data
+against the header's CRC32s; a file that fails is forgotten and set aside,
+and the caller tries its next best entry.
 """
 
 from collections.abc import Callable, Iterable
@@ -19,14 +20,20 @@ ExtraClasses = Callable[[], Iterable[type]]
 
 def restore(
     store: Store, space: Space, entry: Entry, *, verify: bool, extra_classes: ExtraClasses
-) -> list | None:
-    """``entry``'s prompt cache (the model's caches, then known plugin caches), or None."""
+) -> tuple[list, bool] | None:
+    """``(prompt cache, checked)`` of ``entry``, or None.
+
+    The cache is the model's caches, then the known plugin caches; ``checked``
+    says whether its tensor data is known to be what was stored: a snapshot
+    (memory), or a file whose CRC32s were verified.
+    """
     snap = entry.extra.get("snapshot")
     if snap is not None:  # still on its way to disk
-        return with_extras(*fileformat.from_snapshot(snap), extra_classes)
+        return with_extras(*fileformat.from_snapshot(snap), extra_classes), True
     try:
         with safefs.open_space(store.root, space.fingerprint, space.namespace) as fd:
-            return _load(store, space, entry, fd, verify, extra_classes)
+            cache = _load(store, space, entry, fd, verify, extra_classes)
+            return None if cache is None else (cache, verify)
     except OSError as e:
         store.forget(space, entry.name)  # until a rescan finds it readable
         store.warn("read: " + error_kind(e), f"cannot open {space.path}: {e}")
