@@ -30,7 +30,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .gguf import (  # noqa: F401  (re-exported: models.read_gguf, models.save_tokenizer, ...)
     GGUF_FILE,
@@ -122,6 +122,27 @@ def build(
     if name not in MODELS:
         raise ModelError(f"unknown model {name!r}; available: {', '.join(NAMES)}")
     source = gguf_path()
+
+    def write(folder):
+        _write_folder(folder, name, source, progress)
+
+    return build_cached(name, source, write, cache_dir, verify)
+
+
+def build_cached(
+    name: str,
+    source: Path,
+    write: Callable[[Path], None],
+    cache_dir: Optional[Union[str, os.PathLike]] = None,
+    verify: bool = True,
+    extra_check: Optional[Callable[[Path], Optional[str]]] = None,
+) -> Path:
+    """The cached folder ``name`` made from ``source``, written by ``write(folder)`` if needed.
+
+    A folder that fails ``check`` (or ``extra_check``, which returns a reason
+    or ``None``) is rebuilt. ``write`` fills a temporary folder, manifest
+    included, which is then renamed into place under a per-model lock.
+    """
     root = models_dir(cache_dir)
     dest = root / name
     try:
@@ -133,6 +154,8 @@ def build(
     with _lock(root / f".{name}.lock"):
         if dest.exists():
             problem = check(dest, source, full=verify)
+            if problem is None and extra_check is not None:
+                problem = extra_check(dest)
             if problem is None:
                 return dest
             logger.warning("rebuilding %s: %s", dest, problem)
@@ -141,7 +164,7 @@ def build(
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-build-", dir=root))
             tmp.chmod(0o755)  # mkdtemp makes it private; the model folder is not secret
-            _write_folder(tmp, name, source, progress)
+            write(tmp)
             _replace(tmp, dest)
         except (OSError, RuntimeError) as e:  # MLX reports write failures as RuntimeError
             if isinstance(e, ModelError):
