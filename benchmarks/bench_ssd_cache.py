@@ -17,6 +17,10 @@ measured against stock mlx-lm in the same run:
    every ``--every`` tokens into a full in-memory LRU: stock ``LRUPromptCache``
    (memory only) vs ``SSDPromptCache`` (every insert written behind, every
    eviction spilled, the byte cap evicting files). Runs alternate.
+4. ``--only verify``: what the CRC32 check of a restore costs (on by
+   default), for entries of ``--verify-tokens`` tokens: a restore with and
+   without the check (file in the page cache, best of ``--repeats``) against
+   a prefill of the same tokens.
 """
 
 import argparse
@@ -335,6 +339,67 @@ def itl(model, tok, key, work, big_cache, big_tokens, n, every, rounds):
     )
 
 
+def verify_cost(model, tok, key, work, sizes, repeats):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_ssd_cache import SSDPromptCache
+
+    rows = [("tokens", "MB", "prefill s", "restore s", "+ CRC s", "CRC s", "vs prefill")]
+    RESULTS["verify"] = []
+    for n in sizes:
+        prompt = prompt_tokens(tok, n)
+        cache = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        tok0 = first_token(model, prompt, cache)
+        prefill = time.perf_counter() - t0
+        d = work / f"verify{n}"
+        store = SSDPromptCache(10, directory=d)
+        store.insert_cache(key, prompt + [tok0], cache)
+        store.close(600)
+        (entry,) = d.glob("*/*/*.safetensors")
+        best = {}
+        for _ in range(repeats):
+            for check in (False, True):
+                gc.collect()
+                mx.clear_cache()
+                fresh = SSDPromptCache(10, directory=d, verify=check)
+                fresh.disk._space(key)  # the start-up scan happens before requests
+                t0 = time.perf_counter()
+                _, rest = fresh.fetch_nearest_cache(key, prompt)
+                dt = time.perf_counter() - t0
+                fresh.close()
+                assert len(rest) == 1, "not restored from disk"
+                best[check] = min(dt, best.get(check, dt))
+        crc = max(best[True] - best[False], 0.0)
+        mb = entry.stat().st_size / 1e6
+        RESULTS["verify"].append(
+            dict(
+                tokens=len(prompt),
+                mb=mb,
+                prefill_s=prefill,
+                restore_s=best[False],
+                restore_checked_s=best[True],
+            )
+        )
+        rows.append(
+            (
+                len(prompt),
+                f"{mb:.1f}",
+                f"{prefill:.2f}",
+                f"{best[False]:.4f}",
+                f"{best[True]:.4f}",
+                f"{crc:.4f}",
+                f"{crc / prefill:.2%}",
+            )
+        )
+        print(f"{len(prompt)} tokens done", flush=True)
+    table(
+        f"4. The CRC32 check of a restore (on by default) vs a prefill of the same tokens "
+        f"(file in the page cache, best of {repeats})",
+        rows,
+    )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
@@ -342,7 +407,12 @@ def main():
     p.add_argument("--itl-tokens", type=int, default=150, help="decoded tokens per ITL round")
     p.add_argument("--every", type=int, default=10, help="insert a big cache every N tokens")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--only", choices=["ttft", "itl"], default=None, help="run one part")
+    p.add_argument("--only", choices=["ttft", "itl", "verify"], default=None, help="run one part")
+    p.add_argument(
+        "--verify-tokens",
+        default="32,512,2048",
+        help="entry sizes of --only verify, comma-separated (default %(default)s)",
+    )
     p.add_argument(
         "--dir", default=None, help="work directory (default: a temp dir on /tmp's disk)"
     )
@@ -362,12 +432,15 @@ def main():
     print(f"model {path} ({blas}); mlx {mx.__version__}")
     with tempfile.TemporaryDirectory(dir=args.dir or "/var/tmp") as d:
         work = Path(d)
-        if args.only != "itl":
+        if args.only == "verify":
+            sizes = [int(x) for x in args.verify_tokens.split(",")]
+            verify_cost(model, tok, key, work, sizes, args.repeats)
+        elif args.only != "itl":
             prompt, big = ttft_and_throughput(model, tok, key, work, args.tokens, args.repeats)
         else:  # the same bytes without the long prefill
             prompt = list(range(1000, 1000 + args.tokens + 1))
             big = synthetic_cache(model, args.tokens + 1)
-        if args.only != "ttft":
+        if args.only not in ("ttft", "verify"):
             itl(model, tok, key, work, big, prompt, args.itl_tokens, args.every, args.rounds)
     if args.json:
         RESULTS.update(model=path, blas=blas, mlx=mx.__version__, device=str(mx.default_device()))
