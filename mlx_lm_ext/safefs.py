@@ -1,45 +1,101 @@
-"""The tier's files on a disk it does not trust: marked roots, no symlinks, own names only.
+"""Files on a disk the package does not trust: tagged roots, no symlinks, own names only.
 
-A cache directory may be shared with other users or written by an attacker,
-so every removal here holds to three rules:
+A directory the package keeps files in may be shared with other users or
+written by an attacker, so every write and removal here holds to three rules:
 
-* only inside a root the tier created and marked with ``CACHEDIR.TAG`` (the
-  standard cache-directory tag, which backup tools also honour);
+* only inside a root the package created and marked with ``CACHEDIR.TAG``
+  (the standard cache-directory tag, which backup tools also honour);
 * never through a symbolic link: each level is opened with ``O_NOFOLLOW`` and
   every later lookup is relative to that open directory (``dir_fd``), so a
   directory swapped for a link after it was checked is never entered;
-* only names the tier itself makes (``NAMES``), and only regular files.
+* only names the package itself makes, and only regular files.
 
-The layout is ``<root>/<fingerprint>/<namespace>/<entry>``.
+Two users, each a ``Kind`` (what its tag says, which top-level folders it
+makes): ssd-cache (``CACHE``: ``<root>/<16 hex>/<namespace>/<entry>``, the
+names below) and spec-decode's suffix corpus (``CORPUS``:
+``<root>/<32 hex>/suffix-corpus.npz``).
+
+Temp files (``temp_name``) are created by ``create_temp``, which holds an
+advisory lock (``flock``) on the file while it is open. ``reap`` removes only
+a temp file nobody holds locked that was untouched for a grace period: the
+pid in a temp file's name is never trusted, since a process in another PID
+namespace (a container) cannot see the writer's.
 """
 
 import contextlib
+import errno
 import os
 import re
+import secrets
+import socket
 import stat
+import time
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple, Union
 
-TAG = "CACHEDIR.TAG"
-TAG_TEXT = (
-    "Signature: 8a477f597d28d172789f06886806bc55\n"
-    "# This file is a cache directory tag created by mlx-lm-ssd-cache.\n"
-    "# It marks the directory as the disk tier of mlx_lm.server's prompt cache:\n"
-    "# `mlx-lm-ext ssd-cache clear` only clears directories that carry it.\n"
-)
-SIGNATURE = TAG_TEXT.splitlines()[0]
+try:
+    import fcntl
+except ImportError:  # no advisory locks: temp files are reaped by age only
+    fcntl = None
 
-FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+TAG = "CACHEDIR.TAG"
+SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What one user keeps under its tagged roots."""
+
+    owner: str  # the package named in the tag
+    about: str  # the tag's further comment lines
+    folder: "re.Pattern[str]"  # its top-level folders (one per model fingerprint)
+
+
+CACHE = Kind(
+    "mlx-lm-ssd-cache",
+    "It marks the directory as the disk tier of mlx_lm.server's prompt cache:\n"
+    "`mlx-lm-ext ssd-cache clear` only clears directories that carry it.",
+    re.compile(r"[0-9a-f]{16}"),
+)
+CORPUS = Kind(
+    "mlx-lm-spec-decode",
+    "It marks the directory as the suffix drafter's corpora (--suffix-corpus-dir),\n"
+    "one folder per model fingerprint.",
+    re.compile(r"[0-9a-f]{32}"),
+)
+
+
+def tag_text(kind: Kind) -> str:
+    lines = [SIGNATURE, f"# This file is a cache directory tag created by {kind.owner}."]
+    return "\n".join(lines + [f"# {line}" for line in kind.about.splitlines()]) + "\n"
+
+
+TAG_TEXT = tag_text(CACHE)
+
+# ssd-cache's names.
+FINGERPRINT = CACHE.folder
 NAMESPACE = re.compile(r"base|ns-[0-9a-f]{16}")
 ENTRY = re.compile(r"[0-9a-f]{32}\.safetensors")
-# What the writer makes: `.<entry>.<host>.<pid>.<hex>.tmp`, and the same for
-# the fingerprint note; `<entry>.rejected` is an entry set aside on restore.
+# What the writer makes: `.<entry>.<host>.<pid>.<hex>.tmp` (``temp_name``), and
+# the same for the fingerprint note; `<entry>.rejected` is an entry set aside
+# on restore.
 TEMP = re.compile(r"\.(?:[0-9a-f]{32}\.safetensors|fingerprint\.json)\.[^/]*\.tmp")
 REJECTED = re.compile(r"[0-9a-f]{32}\.safetensors\.rejected")
 INFO = "fingerprint.json"
 _NOTE_TEMP = re.compile(r"\.fingerprint\.json\.[^/]*\.tmp")
 
+# The host in temp file names: a temp of another host (a shared network
+# folder) is given longer before it is reaped (``REAP_OTHER_HOST``).
+HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+# Unlocked temp files untouched this long are reaped: their writer is gone
+# (a writer holds its lock from creation to the rename, bar microseconds).
+REAP_GRACE = 2.0
+# Other hosts' temp files, and any where the file system cannot lock.
+REAP_OTHER_HOST = 3600.0
+
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class NotACache(ValueError):
@@ -76,8 +132,8 @@ def _read_tag(fd) -> bool:
         os.close(tfd)
 
 
-def looks_like_cache(root: Union[str, os.PathLike]) -> bool:
-    """Whether every name in ``root`` is one the tier would put there.
+def looks_like_cache(root: Union[str, os.PathLike], kind: Kind = CACHE) -> bool:
+    """Whether every name in ``root`` is one ``kind`` would put there.
 
     Used to adopt a directory written before the tag existed, and an empty
     one: a folder of anything else (a home directory, a model folder) is not.
@@ -87,14 +143,14 @@ def looks_like_cache(root: Union[str, os.PathLike]) -> bool:
             names = os.listdir(fd)
     except OSError:
         return False
-    return all(FINGERPRINT.fullmatch(n) or n == TAG or n.startswith(f".{TAG}.") for n in names)
+    return all(kind.folder.fullmatch(n) or n == TAG or n.startswith(f".{TAG}.") for n in names)
 
 
-def make_root(root: Union[str, os.PathLike]) -> None:
+def make_root(root: Union[str, os.PathLike], kind: Kind = CACHE) -> None:
     """Create ``root`` if needed and tag it; refuse a directory that is not ours.
 
-    Raises ``NotACache`` for a link, a non-directory, or a directory with
-    content the tier did not make. ``OSError`` for I/O trouble.
+    Raises ``NotACache`` for a link, a non-directory, or an untagged
+    directory with content ``kind`` did not make. ``OSError`` for I/O trouble.
     """
     root = os.fspath(root).rstrip("/") or "/"  # "link/" would resolve the link
     os.makedirs(root, exist_ok=True)
@@ -108,15 +164,16 @@ def make_root(root: Union[str, os.PathLike]) -> None:
     with open_dir(root) as fd:
         if _read_tag(fd):
             return
-        if not looks_like_cache(root):
+        if not looks_like_cache(root, kind):
+            what = "ssd-cache entries" if kind is CACHE else f"{kind.owner}'s"
             raise NotACache(
-                f"{root} holds files that are not ssd-cache entries and has no {TAG}; "
+                f"{root} holds files that are not {what} and has no {TAG}; "
                 "use an empty or new directory"
             )
         tmp = f".{TAG}.{os.getpid()}.tmp"
         tfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=fd)
         try:
-            os.write(tfd, TAG_TEXT.encode())
+            os.write(tfd, tag_text(kind).encode())
         finally:
             os.close(tfd)
         os.replace(tmp, TAG, src_dir_fd=fd, dst_dir_fd=fd)
@@ -145,6 +202,27 @@ def open_space(root: Union[str, os.PathLike], fingerprint: str, namespace: str) 
         raise NotACache(f"{fingerprint}/{namespace} is not a namespace of the tier")
     with open_dir(root) as rfd, open_dir(fingerprint, rfd) as ffd, open_dir(namespace, ffd) as nfd:
         yield nfd
+
+
+def make_folder(root: Union[str, os.PathLike], name: str, kind: Kind) -> None:
+    """Create the top-level folder ``name`` of ``kind`` below a tagged root, without links."""
+    _check_folder(name, kind)
+    make_root(root, kind)
+    with open_dir(root) as rfd:
+        _mkdir_at(name, rfd)
+
+
+@contextlib.contextmanager
+def open_folder(root: Union[str, os.PathLike], name: str, kind: Kind) -> Iterator[int]:
+    """The fd of ``root/name``, a top-level folder of ``kind``, each level without links."""
+    _check_folder(name, kind)
+    with open_dir(root) as rfd, open_dir(name, rfd) as fd:
+        yield fd
+
+
+def _check_folder(name, kind):
+    if not kind.folder.fullmatch(name):
+        raise NotACache(f"{name} is not a folder name of {kind.owner}")
 
 
 def make_space(root: Union[str, os.PathLike], fingerprint: str, namespace: str) -> None:
@@ -290,3 +368,121 @@ def fd_path(fd: int) -> Optional[str]:
     """A path that reopens exactly the file behind ``fd`` (Linux), else None."""
     path = f"/proc/self/fd/{fd}"
     return path if os.path.exists(path) else None
+
+
+# ------------------------------------------------------------- temp files
+
+
+def temp_name(final: str) -> str:
+    """A fresh temp file name for ``final``: ``.<final>.<host>.<pid>.<hex>.tmp``.
+
+    The host and pid only tell a reader whose file it is; the lock that
+    ``create_temp`` holds is what says a write is still under way.
+    """
+    return f".{final}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def of_this_host(name: str) -> bool:
+    """Whether temp file ``name`` (``temp_name``'s form) was made on this host."""
+    rest = name[: -len(".tmp")].rsplit(".", 2)[0] if name.endswith(".tmp") else ""
+    return rest.endswith("." + HOST)
+
+
+def create_temp(name: str, dir_fd: Optional[int] = None, mode: int = 0o644) -> int:
+    """Create ``name`` (exclusively, never through a link) for writing: its fd.
+
+    The fd holds an exclusive ``flock`` on the file until it is closed, so
+    ``reap`` in any process (any PID namespace) leaves the file alone while it
+    is written. The lock is taken blocking: only a reaper checking the new
+    file can hold it, for a moment.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | _CLOEXEC
+    fd = os.open(name, flags, mode, dir_fd=dir_fd)
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: reaped by age only
+            pass
+    return fd
+
+
+def write_file(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
+    """Replace ``name`` in an open directory with ``data``: a locked temp file,
+    fsynced and renamed over it while still locked, so a crash leaves the old
+    file or the new one, and no reaper takes the temp file meanwhile."""
+    tmp = temp_name(name)
+    fd = create_temp(tmp, dir_fd, mode)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.fsync(dir_fd)
+
+
+def reap(dir_fd: int, name: str, grace: float = REAP_GRACE) -> bool:
+    """Remove the temp file ``name`` if its writer is gone; True if removed.
+
+    Gone means: nobody holds the file's lock and it was untouched for
+    ``grace`` seconds (``REAP_OTHER_HOST`` for another host's file, or where
+    the lock cannot be tested). The pid in the name is not looked at. A link
+    or anything but a regular file is left alone.
+    """
+    try:
+        fd = _open_to_lock(name, dir_fd)
+    except OSError:
+        return False
+    try:
+        locked = _try_lock(fd)
+        if locked is False:
+            return False  # a live writer holds it
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        if locked is None or not of_this_host(name):
+            grace = max(grace, REAP_OTHER_HOST)
+        if time.time() - st.st_mtime <= grace:
+            return False
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False  # replaced since it was opened
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _open_to_lock(name, dir_fd):
+    # Read-write where allowed: over NFS a flock is a POSIX lock, and an
+    # exclusive one needs a file open for writing. Nothing is written.
+    base = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC
+    try:
+        return os.open(name, os.O_RDWR | base, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ETXTBSY):
+            raise
+    return os.open(name, os.O_RDONLY | base, dir_fd=dir_fd)
+
+
+def _try_lock(fd) -> Optional[bool]:
+    """True: locked here (nobody else held it); False: held by a writer;
+    None: the file system cannot tell."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True

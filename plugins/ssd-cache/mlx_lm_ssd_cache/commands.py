@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from . import safefs
+from mlx_lm_ext import safefs
 
 PROG = "mlx-lm-ext ssd-cache"
 

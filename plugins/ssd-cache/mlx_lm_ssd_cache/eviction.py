@@ -6,7 +6,8 @@ again; removals go through ``safefs`` (never through a link, only the tier's
 own names).
 """
 
-from . import safefs
+from mlx_lm_ext import safefs
+
 from .index import Entry
 from .store import Space, Store, error_kind, on_disk
 

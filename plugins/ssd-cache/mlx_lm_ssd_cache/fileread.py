@@ -16,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as cache_module
 
-from . import safefs
+from mlx_lm_ext import safefs
+
 from .filewrite import (
     DTYPES,
     FORMAT,

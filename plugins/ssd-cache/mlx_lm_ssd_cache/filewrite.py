@@ -20,6 +20,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as cache_module
 
+from mlx_lm_ext import safefs
+
 FORMAT = "mlx-lm-ssd-cache/1"
 SUFFIX = ".safetensors"
 MAX_HEADER = 64 << 20
@@ -285,8 +287,8 @@ def write(
     tensors, size = _tensor_table(snap)
     meta = _entry_meta(snap, meta)
     head_len = len(header_bytes(meta, tensors))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    with os.fdopen(os.open(tmp_path, flags, 0o644, dir_fd=dir_fd), "wb") as f:
+    # Locked while written, so no reaper of another process takes it.
+    with os.fdopen(safefs.create_temp(os.fspath(tmp_path), dir_fd), "wb") as f:
         f.seek(8 + head_len)
         crcs = [_stream(f, a, pace) for a in snap.arrays]
         meta["tensor_crc32"] = json.dumps(crcs)

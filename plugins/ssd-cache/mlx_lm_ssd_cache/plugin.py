@@ -119,7 +119,7 @@ def activate(command: str, args: argparse.Namespace) -> Dict[str, Any]:
 
 def _claim(directory):
     """Create and tag the cache directory; refuse one that holds other files."""
-    from . import safefs
+    from mlx_lm_ext import safefs
 
     try:
         safefs.make_root(directory)

@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from . import fileformat, safefs, scan
+from mlx_lm_ext import safefs
+
+from . import fileformat, scan
 from .index import Entry
 from .store import Space, Store, error_kind, log
 

@@ -3,7 +3,8 @@
 A scan reads headers only. It indexes the entries that are checked against
 the model's cache layout (the reference), sets aside the ones that are not
 (``<name>.rejected``, kept a day for inspection), and reaps temp files whose
-writer died. Nothing here raises into the server: a directory that cannot be
+writer is gone (``safefs.reap``: no process holds the file's lock; its pid
+is never trusted, another PID namespace cannot see it). Nothing here raises into the server: a directory that cannot be
 listed or a file that cannot be read is a warning and a miss.
 """
 
@@ -11,11 +12,12 @@ import os
 import time
 from collections.abc import Callable
 
-from . import eviction, fileformat, identity, layout, safefs
-from .index import Entry, PrefixIndex
-from .store import HOST, Space, Store, entry_name, error_kind, log, on_disk
+from mlx_lm_ext import safefs
 
-TMP_MAX_AGE = 3600.0  # a .tmp older than this is reaped even if its writer lives
+from . import eviction, fileformat, identity, layout
+from .index import Entry, PrefixIndex
+from .store import Space, Store, entry_name, error_kind, log, on_disk
+
 REJECTED_MAX_AGE = 86400.0  # entries set aside stay a day for inspection
 
 # (model key, settings) -> (fingerprint, namespace, info), or Unidentifiable
@@ -99,7 +101,7 @@ def _scan_files(store, space, fd):
     ref = reference(store, space)
     for name, st in safefs.files(fd):
         if safefs.TEMP.fullmatch(name):
-            _maybe_reap(fd, name, st)
+            _maybe_reap(fd, name)
         elif safefs.REJECTED.fullmatch(name):
             if time.time() - st.st_mtime > REJECTED_MAX_AGE:
                 eviction.remove_file(store, space, fd, name)
@@ -172,30 +174,7 @@ def set_aside(store: Store, space: Space, fd: int, name: str, why: Exception) ->
         pass
 
 
-def _maybe_reap(fd, name, st):
-    """Remove a temp file whose writer died (same host) or that is stale."""
-    parts = name.split(".")
-    try:
-        host, pid = parts[-4], int(parts[-3])
-    except (IndexError, ValueError):
-        host, pid = None, None
-    age = time.time() - st.st_mtime
-    # This process may hold another tier on the same directory (tests):
-    # its own temp files are only reaped once stale.
-    alive = host == HOST and pid is not None and (pid == os.getpid() or _pid_alive(pid))
-    if (not alive and host == HOST) or age > TMP_MAX_AGE:
-        try:
-            if safefs.unlink(fd, name):
-                log.info("ssd-cache: reaped unfinished write %s", name)
-        except OSError:
-            pass
-
-
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _maybe_reap(fd, name):
+    """Remove a temp file whose writer is gone: unlocked, and untouched for a moment."""
+    if safefs.reap(fd, name):
+        log.info("ssd-cache: reaped unfinished write %s", name)

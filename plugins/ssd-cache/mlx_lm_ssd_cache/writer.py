@@ -10,7 +10,6 @@ Pending writes are flushed at interpreter exit and on SIGTERM.
 import atexit
 import json
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -19,11 +18,12 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 
-from . import eviction, fileformat, safefs
-from .index import Entry
-from .store import HOST, Space, Store, error_kind, log
+from mlx_lm_ext import safefs
 
-TMP_SUFFIX = ".tmp"
+from . import eviction, fileformat
+from .index import Entry
+from .store import Space, Store, error_kind, log
+
 INFO = "fingerprint.json"
 # Writes are spread at this rate (bytes/s) unless a flush waits for them:
 # a burst of copying competes with decode for memory bandwidth and CPU.
@@ -178,7 +178,7 @@ def write_entry(store: Store, space: Space, entry: Entry, pacer: Callable[[], Pa
 
 def _write_temp(store, space, entry, snap, pacer):
     """Write the entry to a temp file: ``(tmp name, size)``, or None."""
-    tmp = f".{entry.name}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+    tmp = safefs.temp_name(entry.name)  # locked while written (safefs.create_temp)
     meta = {
         "tokens": fileformat.tokens_json(entry.tokens),
         "n_tokens": str(len(entry.tokens)),
@@ -225,16 +225,11 @@ def _write_failed(store, space, tmp, e):
 
 def write_info(store: Store, space: Space) -> None:
     """A readable note of what a fingerprint stands for (for ``ssd-cache stats``)."""
-    tmp = f".{INFO}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
     try:
         with safefs.open_dir(store.root) as rfd, safefs.open_dir(space.fingerprint, rfd) as fd:
             if INFO in os.listdir(fd):
                 return
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-            out = os.open(tmp, flags, 0o644, dir_fd=fd)
-            with os.fdopen(out, "w") as f:
-                f.write(json.dumps(space.info, indent=1, sort_keys=True))
-            os.replace(tmp, INFO, src_dir_fd=fd, dst_dir_fd=fd)
+            safefs.write_file(fd, INFO, json.dumps(space.info, indent=1, sort_keys=True).encode())
     except OSError:
         pass
 

@@ -1,6 +1,7 @@
 """SSDPromptCache: stock behaviour in memory, store/find/restore/evict/scan on disk."""
 
 import logging
+import os
 import random
 import shutil
 
@@ -244,6 +245,8 @@ def test_scan_removes_corrupt_reaps_dead_tmp_and_leaves_others(tiny, tmp_path, c
     bad_file.write_bytes(raw[: len(raw) // 2])  # truncated
     dead = space / f".{'a' * 32}.safetensors.{disk.HOST}.999999999.abcd.tmp"
     dead.write_bytes(b"partial")
+    stale = dead.stat().st_mtime - 60  # unlocked and untouched past the grace period
+    os.utime(dead, (stale, stale))
     foreign = space / f".{'b' * 32}.safetensors.otherhost.12.abcd.tmp"  # fresh, other host
     foreign.write_bytes(b"partial")
     other_fp = tmp_path / "cache" / "0123456789abcdef" / "base"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_lm_ssd_cache import safefs
+from mlx_lm_ext import safefs
 
 CLI = Path(sys.executable).with_name("mlx-lm-ext")
 FP, FP2 = "a" * 16, "b" * 16

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_lm_ssd_cache import SSDPromptCache, disk, fileformat, layout, safefs
+from mlx_lm_ext import safefs
+from mlx_lm_ssd_cache import SSDPromptCache, disk, fileformat, layout
 
 
 def prefill(model, tokens):
