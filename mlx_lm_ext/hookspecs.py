@@ -275,6 +275,21 @@ def metrics(prompt_cache: Any, options: Any) -> Optional[List[Any]]:
 
 
 @hookspec
+def status_options(options: Any) -> Optional[Dict[str, Any]]:
+    """Return this plugin's effective option values for ``/status``, or ``None``.
+
+    ``{dest: value}``, ``dest`` a flag's ``argparse`` name (``"draft_max"``
+    for ``--draft-max``): what a flag left at its default resolved to once
+    active (``--drafter`` unset runs ``"ngram"``; ``--draft-max`` unset is
+    10 for it). The page lists each of the plugin's flags with its parsed
+    value, these replacing it; a name that is none of the plugin's flags
+    is shown as ``--name`` (say, mlx-lm's ``num_draft_tokens``).
+    ``options`` is what ``activate`` returned. Asked each time the page is
+    built; a plugin that raises keeps its parsed values.
+    """
+
+
+@hookspec
 def status_charts() -> Optional[List[Tuple[str, str, str]]]:
     """Return trends for the status page: ``[(title, numerator, denominator)]``.
 

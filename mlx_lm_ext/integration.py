@@ -76,6 +76,13 @@ def extend_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Arg
             help="With a --plugin: leave out the /metrics, /status and /status.json "
             "routes and the request figures behind them.",
         )
+        parser.add_argument(
+            "--status-show-paths",
+            action="store_true",
+            help="Show full paths (the model folder, plugin options) on /status and "
+            "/status.json to any client; by default only a loopback-bound server "
+            "shows them, to requests for a loopback name.",
+        )
     if command == "lora":
         parser.add_argument(
             "--loss",

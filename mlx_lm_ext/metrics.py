@@ -10,6 +10,7 @@ come from its ``metrics`` hook, rendered apart so that a plugin that raises
 or returns something broken loses only its own series.
 """
 
+import collections
 import logging
 import threading
 import time
@@ -26,6 +27,11 @@ log = logging.getLogger("mlx_lm_ext")
 PREFIX = "mlx_lm_"
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+RECENT = 2048  # exact latencies kept for the status page's percentiles (buckets only bound them)
+
+
+def _recent() -> Dict[str, Any]:
+    return {"ttft": collections.deque(maxlen=RECENT), "itl": collections.deque(maxlen=RECENT)}
 
 
 @dataclass
@@ -44,6 +50,7 @@ class Series:
     itl: Histogram
     started: float = field(default_factory=time.time)
     prompt_cache: Any = None  # the server's, seen on the first request or scrape
+    recent: Dict[str, Any] = field(default_factory=_recent)  # the latest exact latencies
 
 
 def make_series() -> Series:
@@ -125,8 +132,10 @@ def on_item(req: Request, item: Any) -> None:
         s.generated_tokens.inc()
         if req.tokens == 0:
             s.ttft.observe(now - req.start)
+            s.recent["ttft"].append(now - req.start)
         else:
             s.itl.observe(now - req.last)
+            s.recent["itl"].append(now - req.last)
         req.tokens += 1
         req.last = now
     elif hasattr(item, "prompt") and hasattr(item, "prompt_cache_count"):

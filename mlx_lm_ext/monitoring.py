@@ -3,7 +3,13 @@
 * ``server.routes``: ``APIHandler.do_GET`` answers ``/metrics``,
   ``/status`` and ``/status.json`` and hands every other path to mlx-lm's
   own (``/health``, ``/v1/models`` untouched). The routes are on the
-  server's own socket, so they bind where the server binds.
+  server's own socket, so they bind where the server binds. They never
+  carry mlx-lm's wildcard ``Access-Control-Allow-Origin: *`` (only an
+  origin named in ``--allowed-origins``), so a web page of another origin
+  cannot read them; and they show paths (the model folder, plugin options)
+  only to a request for a loopback name on a loopback-bound server, or with
+  ``--status-show-paths`` (``show_paths``): elsewhere a path is its last
+  component.
 * ``server.metrics``: ``APIHandler.do_POST`` (a request's start and end,
   in flight), ``_set_completion_headers`` / ``_set_stream_headers`` (its
   HTTP status) and ``ResponseGenerator._await_response`` (the handler
@@ -17,7 +23,9 @@ trends. ``integration.on_activate`` installs all of it on the server when a
 plugin is active, unless ``--no-status``.
 """
 
+import argparse
 import functools
+import ipaddress
 import json
 import logging
 import sys
@@ -37,6 +45,7 @@ ROUTES = ("/metrics", "/status", "/status.json")
 _local = threading.local()  # the request this handler thread is serving
 _history = status_page.History()
 _info: Dict[str, Any] = {}
+_args: List[Any] = [argparse.Namespace()]  # the server's parsed command line
 _sampler: Optional[threading.Thread] = None
 
 
@@ -44,6 +53,7 @@ def install(args: Any) -> None:
     """Install the routes and the request measurement (once)."""
     mod = sys.modules["mlx_lm.server"]
     handler, rg = mod.APIHandler, mod.ResponseGenerator
+    _args[0] = args
     _info.update(server_info(args))
     metrics.series()
     patching.wrap("server.metrics", handler, "do_POST", _make_post)
@@ -55,18 +65,59 @@ def install(args: Any) -> None:
 
 
 def server_info(args: Any) -> Dict[str, Any]:
-    """The model and each active plugin with its own flags' values."""
+    """The model and each active plugin: its distribution and its flags (fixed at start)."""
     names = list(plugins.STATE.active)
     rows = []
     for name in names:
         try:
-            own = vars(plugins.defaults(name, "server"))
+            flags = plugins.flags(name, "server")
         except Exception:
-            own = {}
-        opts = ", ".join(f"{k}={_plain(getattr(args, k, v))}" for k, v in sorted(own.items()))
+            flags = {}
         dist, version = plugins.distribution(name)
-        rows.append({"name": name, "version": version, "options": opts})
+        rows.append({"name": name, "dist": dist, "version": version, "flags": flags})
     return {"model": str(getattr(args, "model", None) or "-"), "names": names, "plugins": rows}
+
+
+def effective_info(args: Any) -> Dict[str, Any]:
+    """``_info`` with each plugin's ``options``: ``{flag: value}`` as parsed, with
+    what its ``status_options`` hook says they resolved to (asked each time)."""
+    resolved = plugins.each("status_options")
+    rows = []
+    for row in _info.get("plugins", []):
+        flags = row.get("flags", {})
+        opts = {flag: _plain(getattr(args, dest, None)) for dest, flag in flags.items()}
+        more = resolved.get(row["name"])
+        if isinstance(more, Exception):
+            log.warning("plugin '%s' failed in status_options: %s", row["name"], more)
+        elif isinstance(more, dict):
+            for dest, v in more.items():
+                opts[flags.get(dest) or "--" + str(dest).replace("_", "-")] = _plain(v)
+        rows.append({k: v for k, v in row.items() if k != "flags"} | {"options": opts})
+    return dict(_info, plugins=rows)
+
+
+def show_paths(args: Any, host_header: Optional[str]) -> bool:
+    """Whether a status request may see full paths.
+
+    Yes with ``--status-show-paths``; else only on a server bound to a
+    loopback address, for a request naming a loopback host: a page that
+    rebinds its own domain to 127.0.0.1 sends its domain as ``Host``.
+    """
+    if getattr(args, "status_show_paths", False):
+        return True
+    name = urllib.parse.urlsplit("//" + (host_header or "")).hostname
+    return _loopback(getattr(args, "host", None)) and _loopback(name)
+
+
+def _loopback(name: Optional[str]) -> bool:
+    if not name:
+        return False
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _plain(v):
@@ -85,8 +136,12 @@ def charts() -> List[tuple]:
     return specs
 
 
-def summary() -> Dict[str, Any]:
-    return status_page.summary(_info, metrics.series().prompt_cache, _history, charts())
+def summary(paths: bool = True) -> Dict[str, Any]:
+    """The ``/status.json`` document; with ``paths=False`` every path is cut to its last part."""
+    info = effective_info(_args[0])
+    s = metrics.series()
+    doc = status_page.summary(info, s.prompt_cache, _history, charts(), s)
+    return doc if paths else status_page.redact(doc)
 
 
 # ------------------------------------------------------------ the patches
@@ -145,13 +200,14 @@ def _make_get(original):
         s = metrics.series()
         if s.prompt_cache is None:
             s.prompt_cache = self.response_generator.prompt_cache
+        paths = show_paths(_args[0], self.headers.get("Host"))
         try:
             if path == "/metrics":
                 body, kind = metrics.exposition(s.prompt_cache), CONTENT_TYPE_LATEST
             elif path == "/status":
-                body, kind = status_page.page(summary()).encode(), "text/html; charset=utf-8"
+                body, kind = status_page.page(summary(paths)).encode(), "text/html; charset=utf-8"
             else:
-                body, kind = json.dumps(summary()).encode(), "application/json"
+                body, kind = json.dumps(summary(paths)).encode(), "application/json"
             status = 200
         except Exception as e:  # a bug here costs this page, never the server
             log.exception("status route %s failed", path)
@@ -160,11 +216,21 @@ def _make_get(original):
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
-        self._set_cors_headers()
+        _cors_headers(self)
         self.end_headers()
         self.wfile.write(body)
 
     return do_GET
+
+
+def _cors_headers(handler: Any) -> None:
+    """mlx-lm's CORS headers without its wildcard: only an origin named in
+    ``--allowed-origins`` may read the status routes from a web page."""
+    allowed = getattr(handler.response_generator.cli_args, "allowed_origins", None) or []
+    origin = handler.headers.get("Origin")
+    if origin and origin != "*" and origin in allowed:
+        handler.send_header("Access-Control-Allow-Origin", origin)
+        handler.send_header("Vary", "Origin")
 
 
 # ---------------------------------------------------------------- sampler

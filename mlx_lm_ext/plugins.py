@@ -186,6 +186,15 @@ def add_arguments(
     return group
 
 
+def flags(name: str, command: str) -> Dict[str, str]:
+    """``{dest: "--flag"}`` of plugin ``name``'s flags for ``command`` (its long names)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    group = add_arguments(name, command, parser)
+    return {
+        a.dest: max(a.option_strings, key=len) for a in group._group_actions if a.option_strings
+    }
+
+
 def defaults(name: str, command: str) -> argparse.Namespace:
     """A Namespace of plugin ``name``'s flag defaults for ``command``."""
     parser = argparse.ArgumentParser(add_help=False)

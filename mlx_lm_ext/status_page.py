@@ -10,6 +10,8 @@ import collections
 import html
 import json
 import math
+import os
+import re
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -54,9 +56,19 @@ def fmt_ratio(num: float, den: float) -> str:
     return f"{100 * num / den:.1f}% ({int(num)} / {int(den)})" if den else "-"
 
 
-def quantile(buckets: List[Tuple[float, float]], q: float) -> Optional[float]:
+def fmt_option(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return "-" if v is None else str(v)
+
+
+def quantile(buckets: List[Tuple[float, float]], q: float) -> Optional[Tuple[float, bool]]:
     """Estimate a quantile from cumulative ``(upper bound, count)`` buckets, as
-    Prometheus' ``histogram_quantile`` does (linear within a bucket)."""
+    Prometheus' ``histogram_quantile`` does (linear within a bucket).
+
+    Returns ``(value, above)``: ``above`` when the quantile lies past the last
+    finite bound, which is then ``value`` (a lower bound, not an estimate).
+    """
     if not buckets or buckets[-1][1] == 0:
         return None
     rank = q * buckets[-1][1]
@@ -64,14 +76,39 @@ def quantile(buckets: List[Tuple[float, float]], q: float) -> Optional[float]:
     for upper, count in buckets:
         if count >= rank:
             if math.isinf(upper):
-                return lower
-            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-12)
+                return (lower, True)
+            return (lower + (upper - lower) * (rank - below) / max(count - below, 1e-12), False)
         lower, below = upper, count
-    return lower
+    return (lower, True)
 
 
-def histogram(family: Dict[str, Any], labels: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """``{count, sum, mean, p50, p90}`` of one histogram (plain family data)."""
+def exact_quantile(values: List[float], q: float) -> Optional[float]:
+    """The nearest-rank quantile: the smallest observed value that at least
+    ``q`` of ``values`` do not exceed (always one of the values)."""
+    if not values:
+        return None
+    xs = sorted(values)
+    return xs[max(0, math.ceil(q * len(xs)) - 1)]
+
+
+def fmt_quantile(h: Dict[str, Any], key: str) -> str:
+    """A histogram's ``p50``/``p90`` as text: ``"> 120.00 s"`` past the top bucket."""
+    if h.get(key + "_above"):
+        return "> " + fmt_seconds(h[key])
+    return fmt_seconds(h[key])
+
+
+def histogram(
+    family: Dict[str, Any],
+    labels: Optional[Dict[str, str]] = None,
+    recent: Optional[List[float]] = None,
+) -> Dict[str, Any]:
+    """``{count, sum, mean, p50, p90}`` of one histogram (plain family data).
+
+    With ``recent`` (the latest observations, exact) the percentiles are
+    theirs, over ``window`` of them; else they are estimated from the buckets
+    and ``p50_above``/``p90_above`` say a value is only a lower bound.
+    """
     labels = labels or {}
     buckets, count, total = [], 0.0, 0.0
     for s in family["samples"]:
@@ -85,13 +122,16 @@ def histogram(family: Dict[str, Any], labels: Optional[Dict[str, str]] = None) -
         elif s["name"].endswith("_sum"):
             total = s["value"]
     buckets.sort()
-    return {
-        "count": count,
-        "sum": total,
-        "mean": total / count if count else None,
-        "p50": quantile(buckets, 0.5),
-        "p90": quantile(buckets, 0.9),
-    }
+    out = {"count": count, "sum": total, "mean": total / count if count else None}
+    for key, q in (("p50", 0.5), ("p90", 0.9)):
+        if recent:
+            out[key], out[key + "_above"] = exact_quantile(recent, q), False
+        else:
+            value, above = quantile(buckets, q) or (None, False)
+            out[key], out[key + "_above"] = value, above
+    if recent:
+        out["window"] = len(recent)
+    return out
 
 
 def _value(families: Dict[str, Dict[str, Any]], sample: str, **labels: str) -> float:
@@ -163,8 +203,12 @@ def collect(prompt_cache: Any) -> Tuple[List[Dict], Dict[str, List[Dict]], Dict[
     return host, fams, errors
 
 
-def figures(host: List[Dict]) -> Dict[str, Any]:
-    """The host's figures as numbers (the tables are made from these)."""
+def figures(host: List[Dict], series: Any = None) -> Dict[str, Any]:
+    """The host's figures as numbers (the tables are made from these).
+
+    ``series`` (``metrics.Series``) brings the latest exact latencies, from
+    which the percentiles are taken.
+    """
     fams = {f["name"]: f for f in host}
     p = metrics.PREFIX
     by_status = {}
@@ -184,13 +228,33 @@ def figures(host: List[Dict]) -> Dict[str, Any]:
         "prompt_cache_hits": _value(fams, p + "prompt_cache_hits_total"),
         "prompt_cache_entries": {s["labels"]["type"]: s["value"] for s in entries},
         "prompt_cache_bytes": {s["labels"]["type"]: s["value"] for s in nbytes},
-        "ttft": histogram(fams[p + "time_to_first_token_seconds"]),
-        "itl": histogram(fams[p + "inter_token_latency_seconds"]),
+        "ttft": histogram(fams[p + "time_to_first_token_seconds"], recent=_recent(series, "ttft")),
+        "itl": histogram(fams[p + "inter_token_latency_seconds"], recent=_recent(series, "itl")),
     }
 
 
+def _recent(series: Any, key: str) -> Optional[List[float]]:
+    recent = getattr(series, "recent", None)
+    return list(recent[key]) if recent and key in recent else None
+
+
+def option_tables(info: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One table per active plugin: each flag with its effective value."""
+    out = []
+    for p in info["plugins"]:
+        rows = [
+            [flag, fmt_option(v), f"option.{p['name']}.{flag}"]
+            for flag, v in sorted((p.get("options") or {}).items())
+        ]
+        out.append({"title": f"Options: {p['name']}", "rows": rows or [["none", "-", "none"]]})
+    return out
+
+
 def host_tables(info: Dict[str, Any], fig: Dict[str, Any]) -> List[Dict[str, Any]]:
-    plugins = [[p["name"], p["options"] or "-", f"plugin.{p['name']}"] for p in info["plugins"]]
+    plugins = [
+        [p["name"], f"{p.get('version', '?')} ({p.get('dist', '?')})", f"plugin.{p['name']}"]
+        for p in info["plugins"]
+    ]
     up = fig["uptime_s"]
     server = [
         ["model", info["model"], "model"],
@@ -207,9 +271,14 @@ def host_tables(info: Dict[str, Any], fig: Dict[str, Any]) -> List[Dict[str, Any
     latency = []
     for key, label in (("ttft", "time to first token"), ("itl", "inter-token latency")):
         h = fig[key]
+        window = f" (last {h['window']})" if h.get("window", h["count"]) < h["count"] else ""
         latency += [
             [f"{label}: mean", fmt_seconds(h["mean"]), f"{key}.mean"],
-            [f"{label}: p50 / p90", f"{fmt_seconds(h['p50'])} / {fmt_seconds(h['p90'])}", key],
+            [
+                f"{label}: p50 / p90{window}",
+                f"{fmt_quantile(h, 'p50')} / {fmt_quantile(h, 'p90')}",
+                key,
+            ],
         ]
     mean_itl = fig["itl"]["mean"]
     speed = f"{1 / mean_itl:.1f} tok/s" if mean_itl else "-"
@@ -227,6 +296,7 @@ def host_tables(info: Dict[str, Any], fig: Dict[str, Any]) -> List[Dict[str, Any
     return [
         {"title": "Server", "rows": server},
         {"title": "Plugins", "rows": plugins or [["none", "-", "plugins"]]},
+        *option_tables(info),
         {"title": "Requests", "rows": requests},
         {"title": "Latency", "rows": latency},
         {"title": "Prompt cache (memory)", "rows": cache},
@@ -247,7 +317,8 @@ def plugin_table(name: str, fams: List[Dict], error: Optional[str]) -> Dict[str,
             for ls in sorted(label_sets):
                 h = histogram(fam, dict(ls))
                 tag = "".join(f" [{v}]" for _, v in ls)
-                text = f"{int(h['count'])} (mean {fmt_seconds(h['mean'])}, p90 {fmt_seconds(h['p90'])})"
+                mean, p90 = fmt_seconds(h["mean"]), fmt_quantile(h, "p90")
+                text = f"{int(h['count'])} (mean {mean}, p90 {p90})"
                 rows.append([fam["help"] + tag, text, fam["name"] + tag])
             continue
         for s in fam["samples"]:
@@ -265,10 +336,12 @@ def plugin_table(name: str, fams: List[Dict], error: Optional[str]) -> Dict[str,
     return {"title": f"Plugin {name}", "rows": rows or [["no figures yet", "-", f"{name}.none"]]}
 
 
-def summary(info: Dict[str, Any], prompt_cache: Any, history: History, charts: List) -> Dict:
+def summary(
+    info: Dict[str, Any], prompt_cache: Any, history: History, charts: List, series: Any = None
+) -> Dict:
     """The ``/status.json`` document."""
     host, fams, errors = collect(prompt_cache)
-    fig = figures(host)
+    fig = figures(host, series)
     tables = host_tables(info, fig)
     for name in info["names"]:
         if name in fams or name in errors:
@@ -283,6 +356,46 @@ def summary(info: Dict[str, Any], prompt_cache: Any, history: History, charts: L
         "charts": history.charts(charts),
         "errors": errors,
     }
+
+
+# A path: from the start or after a space, quote or "=", up to the next one.
+_PATH = re.compile(r"""(?<![^\s'"=(])(?:~|\.{1,2})?/[^\s'",;)]+""")
+
+
+def redact_path(value: Any) -> Any:
+    """A path cut to its last component (``…/name``); anything else as it is.
+
+    Local paths only: an absolute one, ``~/...``, ``./...``, or an existing
+    file or folder; a Hugging Face repo id (``org/name``) is no path.
+    """
+    if not isinstance(value, str) or "/" not in value and os.sep not in value:
+        return value
+    if not (value.startswith(("/", "~", ".")) or os.path.exists(value)):
+        return value
+    name = os.path.basename(os.path.normpath(value))
+    return f"…/{name}" if name not in ("", ".", "..", "/") else "…"
+
+
+def _redact_text(text: str) -> str:
+    return _PATH.sub(lambda m: redact_path(m.group(0)), text)
+
+
+def redact(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """``doc`` (a ``summary``) with every path cut to its last component: the
+    model, plugin options, and paths inside table values and errors."""
+    out = dict(doc)
+    out["model"] = redact_path(doc["model"])
+    out["title"] = doc["title"].replace(str(doc["model"]), str(out["model"]))
+    out["plugins"] = [
+        dict(p, options={k: redact_path(v) for k, v in (p.get("options") or {}).items()})
+        for p in doc["plugins"]
+    ]
+    out["tables"] = [
+        dict(t, rows=[[r[0], _redact_text(redact_path(str(r[1]))), r[2]] for r in t["rows"]])
+        for t in doc["tables"]
+    ]
+    out["errors"] = {k: _redact_text(str(v)) for k, v in doc["errors"].items()}
+    return out
 
 
 def text(doc: Dict[str, Any]) -> str:
@@ -348,6 +461,7 @@ td.v { text-align:right; padding-left:.8rem; font-variant-numeric:tabular-nums; 
 .max { fill:var(--muted); font-size:10px; }
 svg { width:100%; height:90px; display:block; }
 .axis { stroke:var(--line); } .line { fill:none; stroke:var(--accent); stroke-width:2; }
+.dot { fill:var(--accent); }
 .muted { color:var(--muted); font-size:.85rem; }
 .err td { color:#c53030; }
 </style></head>
@@ -385,7 +499,16 @@ function chart(c) {
   s.append(label);
   const t0 = pts.length ? pts[0][0] : 0, span = Math.max(1, pts.length ? pts[pts.length - 1][0] - t0 : 1);
   let seg = [];
-  const flush = () => { if (seg.length) s.append(svg("polyline", {points: seg.join(" "), class: "line"})); seg = []; };
+  // A value between two gaps is a point of its own: a dot, since a
+  // one-point line draws nothing.
+  const flush = () => {
+    if (seg.length > 1) s.append(svg("polyline", {points: seg.join(" "), class: "line"}));
+    else if (seg.length === 1) {
+      const [x, y] = seg[0].split(",");
+      s.append(svg("circle", {cx: x, cy: y, r: 2.5, class: "dot"}));
+    }
+    seg = [];
+  };
   for (const [t, v] of pts) {
     if (v === null) { flush(); continue; }
     seg.push(`${((t - t0) / span * W).toFixed(1)},${(H - 2 - v / top * (H - 6)).toFixed(1)}`);

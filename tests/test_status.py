@@ -68,11 +68,16 @@ class Server:
         raise TimeoutError(self.log_path.read_text())
 
     def get(self, path):
+        return self.request(path)[::2]
+
+    def request(self, path, headers=None):
+        """``(status, headers, body)`` of ``GET path`` sent with ``headers``."""
+        req = urllib.request.Request(self.url + path, headers=headers or {})
         try:
-            with urllib.request.urlopen(self.url + path, timeout=60) as r:
-                return r.status, r.read().decode()
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.headers, r.read().decode()
         except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
+            return e.code, e.headers, e.read().decode()
 
     def post(self, body, path="/v1/chat/completions", raw=None):
         data = raw if raw is not None else json.dumps(body).encode()
@@ -188,6 +193,31 @@ def test_a_raising_metrics_hook_costs_only_its_own_series(server):
     assert server.get("/health")[0] == 200  # mlx-lm's own routes are untouched
     assert server.get("/v1/models")[0] == 200
     assert server.chat("Say hi.", max_tokens=3)["completion_tokens"] >= 1
+
+
+def test_status_routes_are_not_readable_cross_origin_and_hide_paths_from_other_hosts(
+    server, smollm2_f32_path
+):
+    page_origin = {"Origin": "http://attacker.example"}
+    for path in ("/metrics", "/status", "/status.json"):
+        status, headers, _ = server.request(path, page_origin)
+        assert status == 200, path
+        assert headers.get("Access-Control-Allow-Origin") is None, path
+    # mlx-lm's own routes keep mlx-lm's CORS headers
+    assert server.request("/v1/models", page_origin)[1]["Access-Control-Allow-Origin"] == "*"
+
+    model = str(smollm2_f32_path)
+    # A loopback-bound server, asked for a loopback name: this machine's user.
+    doc = json.loads(server.get("/status.json")[1])
+    assert doc["model"] == model
+    # The same server asked under another name (a page that rebound its own
+    # domain to 127.0.0.1 sends that domain): no paths, only their last part.
+    rebound = {"Host": f"attacker.example:{server.port}"}
+    for path in ("/status", "/status.json"):
+        status, _, body = server.request(path, rebound)
+        assert status == 200 and model not in body and str(Path(model).parent) not in body
+    doc = json.loads(server.request("/status.json", rebound)[2])
+    assert doc["model"] == "…/" + Path(model).name
 
 
 def test_cli_status_prints_the_summary(server):

@@ -200,6 +200,19 @@ def _options(args, which):
 
 
 @hookimpl
+def status_options(options: argparse.Namespace) -> Dict[str, Any]:
+    """What the unset flags resolve to, for ``/status`` (as ``make_drafter`` resolves them)."""
+    which = getattr(options, "drafter", None) or (
+        "draft-model" if getattr(options, "draft_model", None) else "ngram"
+    )
+    return {
+        "drafter": which,
+        "draft_max": _options(options, which)["max_draft"],
+        "num_draft_tokens": getattr(options, "num_draft_tokens", None) or 3,
+    }
+
+
+@hookimpl
 def make_drafter(
     command: str,
     model: Any,
