@@ -21,11 +21,16 @@ own plain step (every row one token, pipelined) or a drafting round:
 The state between calls is mlx-lm's own (``_next_tokens``: each row's
 pending token, ``tokens``: what its cache holds), so plain steps and
 drafting rounds interleave freely. ``batch_verify.BatchController`` picks γ
-per batch size from measured step and round times; when it picks 0 the rows'
-proposals are scored against what the plain steps emit (``Row.check``), so
-each row's acceptance is known without a round. When no row has anything
-to propose, plain steps run in pipelined runs (as the serial loop does); a
-plain step is mlx-lm's own with no Python work per row.
+per batch size from measured step and round times. Behind a plain step the
+pending tokens are still on the device, so the decision drafts from the
+tokens already emitted (the first draft a guess at the pending token) and
+reads nothing back: a declined decision costs the drafters' lookups, which
+overlap the step in flight, and mlx-lm's pipeline keeps running. Only a
+round waits for the pending tokens. Declined proposals are scored against
+what the plain steps emit (``Row.check``), so each row's acceptance is
+known without a round. When no row has anything to propose, plain steps
+run in doubling runs; a plain step is mlx-lm's own with no Python work per
+row.
 
 A drafter that raises stops drafting for its row only; a batch whose caches
 cannot roll rows back apart (a sliding-window layer) decodes plainly, with
@@ -50,13 +55,16 @@ from .ragged import keep_paths, ragged, rollback
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
-MISS_RUN = 4  # proposal-less rounds in a row before plain steps come in doubling runs
-COST_RUN = 8  # plain steps after the cost model said drafting does not pay (doubling
-# while it keeps saying so, up to 64: each decision reads the pending tokens back,
-# which on a GPU stalls the pipelined steps)
-CPU_COST_RUN = 1  # the same on the CPU, where a step read back costs what a pipelined
-# one does: a decision costs only the drafters' lookups, and text that starts to
-# match again is drafted a step later, not up to 64
+MISS_RUN = 4  # proposal-less decisions in a row before plain steps come in doubling runs
+COST_RUN = 8  # the longest run of plain steps between drafting decisions: a decision
+# reads nothing back from the device (it drafts from the tokens already emitted),
+# so it costs only the drafters' lookups, which overlap the step in flight
+
+
+def read_back(tokens: mx.array) -> List[int]:
+    """The pending tokens on the host: waits for the step in flight (the
+    only read-back a decision makes, and only for a round)."""
+    return tokens.tolist()
 
 
 class Row:
@@ -149,6 +157,7 @@ class SpecGenerationBatch(GenerationBatch):
         self.returned = 0.0  # when the previous call returned
         self.steps = 0  # plain steps run (each row's figures catch up when it leaves)
         self.idle = 0  # plain steps since the last round
+        self.pending: Optional[List[int]] = None  # the rows' pending tokens, when known here
         super().__init__(*args, **kwargs)
 
     # ----------------------------------------------------- rows join and leave
@@ -159,7 +168,7 @@ class SpecGenerationBatch(GenerationBatch):
             row.steps = self.steps
         super().extend(batch)
         self.rows.extend(rows)
-        self.last_plain_b, self.owed = 0, None
+        self.last_plain_b, self.owed, self.pending = 0, None, None
 
     def filter(self, keep: List[int]) -> None:
         kept = set(keep)
@@ -169,6 +178,8 @@ class SpecGenerationBatch(GenerationBatch):
         super().filter(keep)
         self.rows = [self.rows[i] for i in keep]
         self.last_plain_b, self.owed = 0, None
+        if self.pending is not None:
+            self.pending = [self.pending[i] for i in keep]
 
     def _close(self, i: int, row: Row) -> None:
         """The row leaves: its drafter holds exactly its tokens, then flushes."""
@@ -206,21 +217,26 @@ class SpecGenerationBatch(GenerationBatch):
             d.accept(row.ctx, list(history[row.told :]), 0)
         row.told = len(history)
 
-    def _propose(self, pending: List[int], use_trees: bool) -> Tuple[List[List[int]], List[Any]]:
+    def _propose(
+        self, pending: Optional[List[int]], use_trees: bool
+    ) -> Tuple[List[List[int]], List[Any]]:
         """Each row's chain of drafts and, with a tree drafter, its trie
-        (``batch_tree.RowTree``) when it holds more than the chain."""
+        (``batch_tree.RowTree``) when it holds more than the chain. Without
+        ``pending`` (the pending tokens are still on the device) the drafts
+        continue the tokens emitted so far: the first is a guess at the
+        pending token."""
         out, trees = [], []
         gmax, d = self.spec.ctl.gmax, self.spec.drafter
         for i, row in enumerate(self.rows):
             room = min(gmax, self.max_tokens[i] - self._num_tokens[i] - 1)
-            history = self.tokens[i] + [pending[i]]
+            history = self.tokens[i] + ([pending[i]] if pending is not None else [])
             if row.guess:
                 row.check(history)
             self._guard(row, self._sync, row, history)
             tree = None
             if room <= 0:
                 drafts = None
-            elif use_trees:
+            elif use_trees and pending is not None:
                 paths = self._guard(row, d.draft_tree, row.ctx, room)
                 tree = batch_tree.RowTree(paths, row.alpha, room) if paths else None
                 drafts = (tree.chain,) if tree else None
@@ -257,9 +273,6 @@ class SpecGenerationBatch(GenerationBatch):
             if spec is not None and self.plain_left == 0 and spec.ctl.needs_plain(B):
                 self.plain_left = BatchController.PROBE
             return self._plain()
-        # From here on the pending tokens are read (a sync): a plain step this
-        # call does not overlap the previous one's forward, so it is not timed.
-        self.last_plain_b = 0
         caches = ragged(self.prompt_cache)
         if caches is None:
             kinds = ", ".join(sorted({type(c).__name__ for c in self.prompt_cache}))
@@ -268,29 +281,47 @@ class SpecGenerationBatch(GenerationBatch):
             for row in self.rows:
                 row.stats.fallback = spec.no_draft
             return self._plain()
-        pending = self._next_tokens.tolist()
         use_trees = spec.trees  # the model's check runs once, before any round is timed
-        t0 = time.perf_counter()
-        drafts, trees = self._propose(pending, use_trees)
+        # Behind a plain step the pending tokens are still being computed:
+        # the decision drafts from the tokens emitted so far and reads
+        # nothing back, so a declined one leaves mlx-lm's pipeline running.
+        pending, t0 = self.pending, time.perf_counter()
+        drafts, trees = self._propose(pending, use_trees and pending is not None)
+        gamma = self._decide(B, drafts, pending is None)
+        if gamma == 0:
+            return self._plain()
+        if pending is None:
+            pending = read_back(self._next_tokens)
+            t0 = time.perf_counter()
+            self.last_plain_b = 0  # the next plain step does not overlap this one's forward
+            drafts, trees = self._propose(pending, use_trees)
+            if not any(drafts):
+                return self._plain()
+        self.prompt_cache = caches
+        return self._round(pending, [d[:gamma] for d in drafts], trees, t0)
+
+    def _decide(self, B: int, drafts: List[List[int]], ahead: bool) -> int:
+        """The round's draft length from the rows' proposals (0: plain steps,
+        and how many before the next decision). ``ahead``: the proposals
+        start at the pending token (their first is a guess at it)."""
         lengths = [len(d) for d in drafts]
         if not any(lengths):
             # Nothing to propose: a plain step, and after a few in a row
             # (open text) pipelined runs that double (2, 4, 8 steps).
             self.misses += 1
             self.plain_left = 1 if self.misses <= MISS_RUN else 1 << min(self.misses - MISS_RUN, 3)
-            return self._plain()
+            return 0
         self.misses = 0
+        spec = self.spec
         gamma = spec.ctl.choose(B, lengths, [r.alpha for r in self.rows], self.idle)
         if gamma == 0:
+            # Scored against what the plain steps emit (``Row.check``).
             for i, row in enumerate(self.rows):
                 if drafts[i]:
-                    row.guess = (len(self.tokens[i]) + 1, drafts[i])
+                    row.guess = (len(self.tokens[i]) + (0 if ahead else 1), drafts[i])
             # Doubling while the decisions stay 0 (the controller counts them).
-            run = CPU_COST_RUN if mx.default_device() == mx.cpu else COST_RUN
-            self.plain_left = run << min(spec.ctl.declined - 1, 3)
-            return self._plain()
-        self.prompt_cache = caches
-        return self._round(pending, [d[:gamma] for d in drafts], trees, t0)
+            self.plain_left = min(COST_RUN, 1 << min(max(spec.ctl.declined - 1, 0), 3))
+        return gamma
 
     def _plain(self) -> List[GenerationBatch.Response]:
         """mlx-lm's own step (each row feeds its pending token, one emitted),
@@ -299,6 +330,7 @@ class SpecGenerationBatch(GenerationBatch):
         B = len(self.uids)
         self.steps += 1  # before the step: finished rows settle on filter
         self.idle += 1
+        self.pending = None
         t0 = time.perf_counter()
         out = super().next()
         if self.spec is not None and self.last_plain_b == B:
@@ -343,6 +375,7 @@ class SpecGenerationBatch(GenerationBatch):
         self._current_tokens = mx.array(pending, mx.uint32)
         self._current_logprobs = list(prev_lps)
         self._next_tokens = mx.array(targets, mx.uint32)
+        self.pending = list(targets)
         self._next_logprobs = [lps[i][accepted[i]] for i in range(B)]
         # Read now (the round's logits are there): a plain step next evaluates
         # them with its own inputs, and on a GPU it would wait for its forward.

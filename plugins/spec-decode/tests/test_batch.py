@@ -104,6 +104,31 @@ def test_greedy_rows_match_stock_tokens_and_caches(llama, monkeypatch, compact_a
     assert any(s.drafted > s.accepted for s in rows)
 
 
+def test_declined_rounds_decode_as_stock(llama, monkeypatch):
+    """Where the controller declines every round, the rows draft from the
+    tokens already emitted without waiting for the pending ones (mlx-lm's
+    pipeline keeps running) and decode exactly as stock, one plain step per
+    token."""
+    from mlx_lm_spec_decode import batch as batch_mod
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    reads = []
+    monkeypatch.setattr(batch_mod, "read_back", lambda a: reads.append(1) or a.tolist())
+
+    decisions = []
+    monkeypatch.setattr(
+        BatchController, "choose", lambda self, B, proposed, *a: decisions.append(proposed) or 0
+    )
+    model, tok = llama
+    prompts, late, kw, stock = greedy_case(model, tok)
+    gen = SpecBatchGenerator(model, NGramDrafter(n_min=1), 4, 10)
+    rows = closed_stats(gen)
+    assert_same(stock, drive(gen, prompts, [40, 25, 60], late, **kw))
+    assert any(any(p) for p in decisions)  # the rows had proposals, all declined
+    assert not reads
+    assert all(s.draft_rounds == 0 and s.forwards == s.emitted for s in rows)
+
+
 def test_one_drafter_failure_disables_that_row_only(llama, caplog):
     model, tok = llama
     prompts = prompts_of(tok)
