@@ -49,6 +49,7 @@ class Controller:
         self.backoff = self.BACKOFF
         self.off_for = 0
         self.switched_off = False
+        self.why = ""  # why drafting was last switched off
         self.need = self.MIN_ROUNDS
 
     def want(self) -> int:
@@ -72,9 +73,10 @@ class Controller:
         self.timed += 1
         self.draft_step = seconds / k
 
-    def _switch_off(self, for_good=False):
+    def _switch_off(self, why, for_good=False):
         # Too costly a drafter stays off (the machine will not change within
         # a request); too little acceptance is retried after a back-off.
+        self.why = why  # for the request's summary line
         self.off_for = (1 << 30) if for_good else self.backoff
         self.backoff *= 2
         self.switched_off = True
@@ -159,14 +161,17 @@ class Controller:
             return
         plain = sorted(self.plain)[(len(self.plain) - 1) // 2]
         if self.draft_step is not None and self.draft_step >= self.DRAFT_COST * plain:
-            self._switch_off(for_good=True)
+            self._switch_off("a draft step costs about as much as a target step", True)
         elif self.verify_cannot_pay():
             sure = len([w for w, _ in self.verify if w > 1]) >= self.VERIFY_SURE
-            self._switch_off(for_good=sure)
+            self._switch_off("a verify forward costs too many plain steps to gain", sure)
         elif len(self.plain) >= 2 and len(self.spec) >= self.need:
             spec = sum(t for t, _ in self.spec) / sum(n for _, n in self.spec)
             if spec > plain * self.SLACK:
-                self._switch_off()
+                n = len(self.spec)
+                self._switch_off(
+                    f"its last {n} rounds took {spec / plain:.2f}x a plain step per token"
+                )
 
 
 RESUME_HITS = 3  # guesses kept in a row while drafting is off before it resumes

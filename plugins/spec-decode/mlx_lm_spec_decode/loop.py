@@ -245,9 +245,9 @@ class VerifyLoop:
                 yield from self.plain(remaining)
                 break
             if self.ctl.off_for > 0:
-                self.st.auto_off = True
                 n = min(self.ctl.off_for, remaining)
                 for_good = self.ctl.off_for >= 1 << 29  # drafting cannot pay here
+                self.st.switched_off(self.ctl.why, for_good)
                 self.ctl.off_for = 0
                 # A drafter that costs nothing to ask (n-gram, suffix) keeps
                 # guessing, and drafting resumes as soon as its guesses hold.
@@ -327,6 +327,7 @@ class VerifyLoop:
         st.draft_rounds += 1
         st.drafted += k
         st.accepted += a
+        st.drafting_round(len(out), dt)
         self.ctl.update(k, a, dt, tree)
         st.gamma = self.ctl.gamma
         self.drafter.accept(self.ctx, out, a)
@@ -429,6 +430,7 @@ class VerifyLoop:
         As in mlx-lm, the next step's graph is built from the lazy token
         before this one is read, so Python's graph building overlaps the
         forward (logits processors need the token itself first)."""
+        t_run = time.perf_counter() if t0 is None else t0
         nxt = self.step(self.y)
         mx.async_eval(nxt[:2])
         lazy = self.context is None
@@ -440,10 +442,12 @@ class VerifyLoop:
                 nxt = self.step(tok_arr)
                 mx.async_eval(nxt[:2])
             tok = tok_arr.item()
-            if t0 is not None:
+            if t0 is not None and (n == 1 or not lazy):
                 now = time.perf_counter()
                 self.ctl.update(0, 0, now - t0)
                 t0 = now
+            if i + 1 == n:
+                self._timed_run(n, time.perf_counter() - t_run, t0 is not None and lazy and n > 1)
             if self.context is not None:
                 self.context.append(tok)
             if hidden is not None:
@@ -460,6 +464,17 @@ class VerifyLoop:
             if watch is not None and i + 1 < n and watch():
                 n = i + 2
             yield tok, lp, False
+
+    def _timed_run(self, n: int, seconds: float, per_step: bool) -> None:
+        """A run of ``n`` plain steps took ``seconds``: into the figures, and
+        with ``per_step`` into the controller as ``n`` steps of the run's mean.
+        Pipelined steps cannot be timed one by one: waiting on a token also
+        runs the forward queued behind it, so they read in pairs (two
+        forwards, then almost nothing) and the near-zero one, taken as what
+        a step costs, made every verify look several steps dear."""
+        self.st.plain_run(n, seconds)
+        for _ in range(n if per_step else 0):
+            self.ctl.update(0, 0, seconds / n)
 
     def step(self, tok: Any) -> tuple[mx.array, mx.array, Optional[mx.array]]:
         """The target's next token (lazy), its logprobs and hidden state after
