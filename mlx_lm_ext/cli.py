@@ -161,16 +161,43 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from . import models
+    from . import models, standin
 
+    names = (*models.NAMES, standin.NAME)
     if args.list or not args.name:
-        for name in models.NAMES:
+        for name in names:
             print(name)
         return 0
-    if args.name not in models.NAMES:
-        plugins.fail(f"unknown model '{args.name}' (models: {', '.join(models.NAMES)})")
+    if args.name not in names:
+        plugins.fail(f"unknown model '{args.name}' (models: {', '.join(names)})")
+    options = {"size": args.size, "layers": args.layers, "dtype": args.dtype, "seed": args.seed}
+    if args.name != standin.NAME:
+        given = [f"--{k}" for k, v in options.items() if v is not None]
+        if given:
+            plugins.fail(f"{', '.join(given)}: only for {standin.NAME}")
+    elif args.size is None:
+        plugins.fail(f"{standin.NAME} needs --size (e.g. --size 1B, 3B or 10B)")
+    else:
+        try:  # input errors (size, layers, dtype) before any work
+            standin.request(
+                args.size,
+                layers=args.layers or 0,
+                dtype=args.dtype or "bfloat16",
+                seed=args.seed or 0,
+            )
+        except models.ModelError as e:
+            plugins.fail(str(e))
     try:
-        path = models.build(args.name, progress=not args.quiet)
+        if args.name == standin.NAME:
+            path = standin.build(
+                args.size,
+                layers=args.layers or 0,
+                dtype=args.dtype or "bfloat16",
+                seed=args.seed or 0,
+                progress=not args.quiet,
+            )
+        else:
+            path = models.build(args.name, progress=not args.quiet)
     except (OSError, RuntimeError, ValueError) as e:
         plugins.fail(str(e), status=1)
     print(path)
@@ -235,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="e.g. smollm2-135m or smollm2-135m-f32")
     p.add_argument("--list", action="store_true", help="list the models that can be built")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    g = p.add_argument_group("smollm2-standin (SmolLM2's predictions at a large model's cost)")
+    g.add_argument("--size", help="parameter count, e.g. 500M, 1B, 3B, 10B (the MLP is widened)")
+    g.add_argument(
+        "--layers", type=int, metavar="N", help="zero-output layers to add first (default 0)"
+    )
+    g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16")
+    g.add_argument("--seed", type=int, metavar="N", help="seed of the extra weights (default 0)")
     p.set_defaults(func=cmd_model)
     p = sub.add_parser("status", help="a running server's figures (its /status.json)")
     p.add_argument("url", help="the server, e.g. http://127.0.0.1:8080")

@@ -127,8 +127,9 @@ def plan(
         if width < base_width:
             smallest = param_count(dict(config, intermediate_size=base_width))
             raise ModelError(
-                f"size {size!r} is below the base with {layers} added layers "
-                f"({size_tag(smallest).upper()} parameters)"
+                f"size {size!r} is below the base model"
+                + (f" with {layers} added layers" if layers else "")
+                + f" ({size_tag(smallest).upper()} parameters)"
             )
         intermediate_size = width
     if not isinstance(intermediate_size, int) or intermediate_size < base_width:
@@ -322,25 +323,11 @@ def build(
     10B). The build streams shards of ``shard_bytes`` and shows a tqdm bar
     on stderr unless ``progress`` is false.
     """
-    _check_dtype(dtype)
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ModelError(f"bad seed {seed!r}: give an integer >= 0")
     source = gguf_path()
     tensors, meta = read_gguf(source)
-    config = plan(
-        models.model_config(meta), size, intermediate_size=intermediate_size, layers=layers
+    name, config = request(
+        size, intermediate_size=intermediate_size, layers=layers, dtype=dtype, seed=seed, meta=meta
     )
-    tag = size_tag(parse_size(size)) if intermediate_size is None else f"w{intermediate_size}"
-    name = f"{NAME}-{tag}" + (f"-l{layers}" if layers else "") + f"-{DTYPES[dtype]}"
-    name += f"-s{seed}" if seed else ""
-    record = {
-        "format": FORMAT,
-        "base": "smollm2-135m-f32",
-        "added_layers": layers,
-        "seed": seed,
-        "parameters": param_count(config),
-    }
-    config.update({"torch_dtype": dtype, RECORD: record})
 
     def write(folder):
         _write_folder(folder, name, source, (tensors, meta), config, seed, progress, shard_bytes)
@@ -356,6 +343,42 @@ def build(
         return None
 
     return models.build_cached(name, source, write, cache_dir, verify, same_request)
+
+
+def request(
+    size: Optional[Union[str, int]] = None,
+    *,
+    intermediate_size: Optional[int] = None,
+    layers: int = 0,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    meta: Optional[Dict[str, Any]] = None,
+) -> Tuple[str, Dict[str, Any]]:
+    """``(folder name, config.json)`` of the stand-in ``build`` makes for these arguments.
+
+    Raises ``ModelError`` for bad input (size, layers, dtype, seed). ``meta``
+    is the base GGUF's metadata, read from the offline package when ``None``.
+    """
+    _check_dtype(dtype)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ModelError(f"bad seed {seed!r}: give an integer >= 0")
+    if meta is None:
+        meta = read_gguf(gguf_path())[1]
+    config = plan(
+        models.model_config(meta), size, intermediate_size=intermediate_size, layers=layers
+    )
+    tag = size_tag(parse_size(size)) if intermediate_size is None else f"w{intermediate_size}"
+    name = f"{NAME}-{tag}" + (f"-l{layers}" if layers else "") + f"-{DTYPES[dtype]}"
+    name += f"-s{seed}" if seed else ""
+    record = {
+        "format": FORMAT,
+        "base": "smollm2-135m-f32",
+        "added_layers": layers,
+        "seed": seed,
+        "parameters": param_count(config),
+    }
+    config.update({"torch_dtype": dtype, RECORD: record})
+    return name, config
 
 
 def _write_folder(folder, name, source, gguf, config, seed, progress, shard_bytes):
