@@ -286,3 +286,35 @@ def test_mlx_lm_ext_plugins_and_doctor(run):
     assert "testplugin: probe" in r.stdout
     r = run([bin_path("mlx-lm-ext"), "testplugin-hello"])
     assert r.stdout.strip() == "hello from testplugin"
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_env_sh_works_from_any_folder(tmp_path):
+    script = os.path.join(REPO, "scripts", "env.sh")
+    r = subprocess.run(
+        ["bash", "-c", f'source "{script}" && echo "$PATH"'],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split(":")[0] == os.path.join(REPO, ".venv", "bin")
+
+
+def test_readme_command_table_lists_every_subcommand_in_one_table():
+    from mlx_lm_ext import cli
+
+    lines = open(os.path.join(REPO, "README.md")).read().splitlines()
+    start = lines.index("| command | what it does |")
+    table = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break  # a blank line ends a Markdown table
+        table.append(line)
+    documented = {m.group(1) for m in (re.match(r"\| `mlx-lm-ext ([\w-]+)", r) for r in table) if m}
+    core = {"plugins", "doctor", "model", "status"}  # the core's own (plugins add more)
+    assert core <= set(cli.build_parser()._subparsers._group_actions[0].choices)
+    assert core <= documented, table
