@@ -9,6 +9,10 @@
   names ``metrics`` has them printed beside mlx-lm's train and validation
   lines (a ``TrainUI`` subclass in ``mlx_lm.tuner.trainer``) and added to
   the reporting callbacks' dicts; ``--test`` prints them after the test loss.
+  Each train line also gives mlx-lm's iterations per second and peak memory
+  (its callback's values, which its own console line leaves out). A
+  non-finite training loss stops the run at the step that made it (exit 2),
+  before any adapters of that step or later are saved.
 
 Metrics inside the compiled step: mlx-lm compiles its step with the model's
 state as input and output, so the loss adds each batch's values to an array
@@ -21,6 +25,7 @@ its values are summed here.
 import contextlib
 import functools
 import logging
+import math
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
@@ -123,7 +128,9 @@ def _reporting(fn: Callable, names: tuple, sums: Dict[str, Any]) -> Callable:
 
     def loss(model, *batch):
         value, ntoks, values = fn(model, *batch)
-        row = mx.concatenate([values.astype(mx.float32).reshape(-1), mx.ones((1,))])
+        # [metrics..., loss, batches]: the loss column tells a diverged step
+        loss_col = value.astype(mx.float32).reshape(1)
+        row = mx.concatenate([values.astype(mx.float32).reshape(-1), loss_col, mx.ones((1,))])
         if model.training:  # inside the compiled step: the model carries the sums
             model[METRICS] = model[METRICS] + row if METRICS in model else row
         else:
@@ -139,7 +146,7 @@ def _means(acc: Optional[mx.array]) -> Optional[List[float]]:
     if acc is None:
         return None
     acc = acc.tolist()
-    return [v / acc[-1] for v in acc[:-1]] if acc[-1] else None
+    return [v / acc[-1] for v in acc[:-2]] if acc[-1] else None
 
 
 def _line(names, means) -> str:
@@ -155,6 +162,14 @@ class _Callback:
         self.inner, self.last = inner, last
 
     def on_train_loss_report(self, info: Dict[str, Any]) -> None:
+        from mlx_lm.cli_ui import rprint
+
+        line = self.last.get("train_line")
+        if line is not None:
+            its, peak = info.get("iterations_per_second"), info.get("peak_memory")
+            if its is not None and peak is not None:
+                line += f", {its:.3f} it/s, peak mem {peak:.2f} GB"
+            rprint(line)
         info.update({f"train_{k}": v for k, v in self.last.get("train", {}).items()})
         if self.inner is not None:
             self.inner.on_train_loss_report(info)
@@ -174,15 +189,30 @@ def _reports(model, names, sums, kw):
     base = trainer.TrainUI
 
     def reset():
-        model[METRICS] = mx.zeros((len(names) + 1,))
+        model[METRICS] = mx.zeros((len(names) + 2,))
 
     class TrainUI(base):
+        steps = 0
+
+        def advance(self):
+            super().advance()
+            self.steps += 1
+            acc = model.get(METRICS)  # evaluated with the step's state
+            loss = acc[-2].item() if acc is not None else 0.0
+            if not math.isfinite(loss):
+                raise PluginError(
+                    f"the training loss is {loss} at iteration {self.steps}: training stopped "
+                    "before saving adapters from this step (a smaller --learning-rate or "
+                    "loss strength may help)"
+                )
+
         def report_train(self, it, train_loss, tokens_sec, trained_tokens):
             super().report_train(it, train_loss, tokens_sec, trained_tokens)
             means = _means(model.get(METRICS))
             reset()
             last["train"] = dict(zip(names, means or [], strict=False))
-            rprint(f"  {it:>4}    train {_line(names, means)}")
+            # printed by the callback, which has mlx-lm's it/s and peak memory
+            last["train_line"] = f"  {it:>4}    train {_line(names, means)}"
 
         def report_val(self, it, val_loss, val_time):
             super().report_val(it, val_loss, val_time)

@@ -13,9 +13,16 @@ Both are counted and logged per file, never done silently.
 
 Batches go by pairs: ``(prompts [B, P], prompt_lens [B], responses [2B, R],
 response_lens [2B], refs [B, 2])``, the B chosen responses then the B
-rejected ones, right-padded to a multiple of ``PAD_TO`` (few distinct shapes
-for the compiled step); ``refs`` holds DPO's reference log-probs (zeros
-until computed).
+rejected ones, right-padded (``padded``: to a multiple of 8 up to 128
+tokens, then of an eighth of the length's power of two, so at most 1/8
+padding and few distinct shapes for the compiled step); ``refs`` holds the
+reference log-probs (zeros until computed, and for the objectives that use
+none).
+
+A row may also carry ``system`` (a string): the system message in front of
+a prompt of messages, or, with ``--apply-chat-template``, of a string prompt
+that the template renders as the user's message (the responses then the
+assistant's), as TRL does for conversational data.
 """
 
 import json
@@ -32,7 +39,7 @@ log = logging.getLogger("mlx_lm_flash_cce")
 
 KEYS = ("prompt", "chosen", "rejected")
 SPLITS = ("train", "valid", "test")
-PAD_TO = 32
+PAD_MIN = 8
 
 
 class Pair:
@@ -65,14 +72,6 @@ class PairDataset:
         return pair
 
 
-def _is_messages(value):
-    return (
-        isinstance(value, list)
-        and len(value) > 0
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-    )
-
-
 def _shape_error(row):
     got = sorted(row) if isinstance(row, dict) else type(row).__name__
     return (
@@ -81,42 +80,106 @@ def _shape_error(row):
     )
 
 
+def _messages(key, value):
+    """``value`` as chat messages, or ``ValueError`` naming what is wrong in ``key``."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"'{key}' must be a string or a non-empty list of chat messages")
+    for i, m in enumerate(value, 1):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"'{key}' message {i} is not a chat message {{role, content}}")
+        for field in ("role", "content"):
+            if not isinstance(m[field], str):
+                raise ValueError(
+                    f"'{key}' message {i}: '{field}' must be a string "
+                    f"(got {type(m[field]).__name__})"
+                )
+    return value
+
+
 def _template(tokenizer, messages, **kw):
-    return list(tokenizer.apply_chat_template(messages, return_dict=False, **kw))
+    try:
+        return list(tokenizer.apply_chat_template(messages, return_dict=False, **kw))
+    except Exception as e:  # jinja raises anything: TemplateError, TypeError, KeyError
+        raise ValueError(f"the chat template fails on this row ({type(e).__name__}: {e})") from None
 
 
-def render(row: Any, tokenizer: Any) -> Tuple[List[int], List[int], List[int]]:
-    """``(prompt, chosen, rejected)`` token ids of one row; ``ValueError`` says what is wrong."""
+def _encode(tokenizer, text, **kw):
+    try:
+        return list(tokenizer.encode(text, **kw))
+    except Exception as e:
+        raise ValueError(f"the tokenizer fails on this row ({type(e).__name__}: {e})") from None
+
+
+def _with_system(row, prompt):
+    """The prompt's messages with the row's ``system`` field, if any, in front."""
+    system = row.get("system")
+    if system is None:
+        return prompt
+    if not isinstance(system, str):
+        raise ValueError(f"'system' must be a string (got {type(system).__name__})")
+    if prompt[0]["role"] == "system":
+        raise ValueError("the row has a 'system' field and its prompt a system message")
+    return [{"role": "system", "content": system}] + prompt
+
+
+def _plain(row, tokenizer):
+    ids = _encode(tokenizer, row["prompt"])
+    eos = tokenizer.eos_token_id
+    out = [ids]
+    for key in ("chosen", "rejected"):
+        if not row[key].strip():
+            raise ValueError(f"'{key}' is empty")
+        resp = _encode(tokenizer, row[key], add_special_tokens=False)
+        out.append(resp + [eos] if eos is not None else resp)
+    return out
+
+
+def _chat(row, prompt, tokenizer):
+    prompt = _with_system(row, _messages("prompt", prompt))
+    ids = _template(tokenizer, prompt, add_generation_prompt=True)
+    out = [ids]
+    for key in ("chosen", "rejected"):
+        resp = row[key]
+        if isinstance(resp, str):
+            if not resp.strip():
+                raise ValueError(f"'{key}' is empty")
+            resp = [{"role": "assistant", "content": resp}]
+        full = _template(tokenizer, prompt + _messages(key, resp))
+        if full[: len(ids)] != ids:
+            raise ValueError(
+                f"the chat template does not continue the prompt with '{key}' "
+                "(its rendering of prompt + response does not start with the prompt's)"
+            )
+        out.append(full[len(ids) :])
+    return out
+
+
+def render(
+    row: Any, tokenizer: Any, chat_template: bool = False
+) -> Tuple[List[int], List[int], List[int]]:
+    """``(prompt, chosen, rejected)`` token ids of one row; ``ValueError`` says what is wrong.
+
+    A string prompt is encoded as it is, unless ``chat_template``
+    (``--apply-chat-template``): then it is the user's message, the responses
+    the assistant's, and ``system`` the system message, rendered with the
+    tokenizer's chat template as a prompt of messages is.
+    """
     if not isinstance(row, dict) or any(k not in row for k in KEYS):
         raise ValueError(_shape_error(row))
     prompt = row["prompt"]
     if isinstance(prompt, str):
         if not all(isinstance(row[k], str) for k in ("chosen", "rejected")):
             raise ValueError("with a string prompt, 'chosen' and 'rejected' must be strings")
-        ids = list(tokenizer.encode(prompt))
-        eos = tokenizer.eos_token_id
-        out = [ids]
-        for key in ("chosen", "rejected"):
-            if not row[key].strip():
-                raise ValueError(f"'{key}' is empty")
-            resp = list(tokenizer.encode(row[key], add_special_tokens=False))
-            out.append(resp + [eos] if eos is not None else resp)
-    elif _is_messages(prompt):
-        ids = _template(tokenizer, prompt, add_generation_prompt=True)
-        out = [ids]
-        for key in ("chosen", "rejected"):
-            resp = row[key]
-            if isinstance(resp, str):
-                resp = [{"role": "assistant", "content": resp}]
-            if not _is_messages(resp):
-                raise ValueError(f"'{key}' must be a string or a list of chat messages")
-            full = _template(tokenizer, prompt + resp)
-            if full[: len(ids)] != ids:
-                raise ValueError(
-                    f"the chat template does not continue the prompt with '{key}' "
-                    "(its rendering of prompt + response does not start with the prompt's)"
-                )
-            out.append(full[len(ids) :])
+        if chat_template:
+            out = _chat(row, [{"role": "user", "content": prompt}], tokenizer)
+        elif row.get("system") is not None:
+            raise ValueError(
+                "a 'system' field needs a prompt of chat messages or --apply-chat-template"
+            )
+        else:
+            out = _plain(row, tokenizer)
+    elif isinstance(prompt, list):
+        out = _chat(row, prompt, tokenizer)
     else:
         raise ValueError(_shape_error(row))
     for key, toks in zip(KEYS, out, strict=True):
@@ -125,25 +188,52 @@ def render(row: Any, tokenizer: Any) -> Tuple[List[int], List[int], List[int]]:
     return tuple(out)
 
 
-def load_split(path: Path, tokenizer: Any, max_seq_length: int) -> PairDataset:
+def _row(raw: bytes) -> Any:
+    """One JSONL line's row; ``ValueError`` says what is wrong, in one level."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"column {e.start + 1}: not UTF-8 text (byte 0x{raw[e.start]:02x})"
+        ) from None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:  # its own "line 1 column N" would nest a second line
+        raise ValueError(f"column {e.colno}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
+
+
+def _lines(path: Path) -> Iterator[Tuple[int, bytes]]:
+    try:
+        with open(path, "rb") as f:
+            yield from enumerate(f, 1)
+    except OSError as e:
+        raise PluginError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def load_split(
+    path: Path, tokenizer: Any, max_seq_length: int, chat_template: bool = False
+) -> PairDataset:
     """Read, check and tokenize one JSONL file; rows that cannot fit are dropped (logged)."""
     pairs, dropped, cut = [], 0, 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                prompt, chosen, rejected = render(row, tokenizer)
-            except (json.JSONDecodeError, ValueError) as e:
-                raise PluginError(f"{path.name} line {lineno}: {e}") from None
-            room = max_seq_length - len(prompt)
-            if room < 1:
-                dropped += 1
-                continue
-            if len(chosen) > room or len(rejected) > room:
-                cut += 1
-            pairs.append(Pair(prompt, chosen[:room], rejected[:room]))
+    for lineno, raw in _lines(path):
+        if not raw.strip():
+            continue
+        try:
+            prompt, chosen, rejected = render(_row(raw), tokenizer, chat_template)
+        except ValueError as e:
+            where = f"{path.name} line {lineno}"
+            text = str(e)
+            sep = ", " if text.startswith("column ") else ": "
+            raise PluginError(f"{where}{sep}{text}") from None
+        room = max_seq_length - len(prompt)
+        if room < 1:
+            dropped += 1
+            continue
+        if len(chosen) > room or len(rejected) > room:
+            cut += 1
+        pairs.append(Pair(prompt, chosen[:room], rejected[:room]))
     if dropped:
         log.warning(
             "%s: dropped %d of %d rows whose prompt alone reaches --max-seq-length %d",
@@ -170,11 +260,14 @@ def load(args: Any, tokenizer: Any) -> Tuple[PairDataset, PairDataset, PairDatas
             f"--data {args.data}: preference training reads a local folder with "
             "train.jsonl, valid.jsonl and test.jsonl ({prompt, chosen, rejected} rows)"
         )
+    chat = bool(getattr(args, "apply_chat_template", False))
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise PluginError("--apply-chat-template: this model's tokenizer has no chat template")
     sets = []
     for name in SPLITS:
         path = folder / f"{name}.jsonl"
         sets.append(
-            load_split(path, tokenizer, args.max_seq_length)
+            load_split(path, tokenizer, args.max_seq_length, chat)
             if path.exists()
             else PairDataset([], path.name)
         )
@@ -189,16 +282,32 @@ def load(args: Any, tokenizer: Any) -> Tuple[PairDataset, PairDataset, PairDatas
     return train, valid, test
 
 
-def _padded(n):
-    return PAD_TO * ((n + PAD_TO - 1) // PAD_TO)
+def read_by(args: Any, sets: Sequence[PairDataset]) -> List[PairDataset]:
+    """The splits of ``(train, valid, test)`` this run reads: train and valid for
+    ``--train`` (valid unless ``--val-batches 0``), test for ``--test``."""
+    train, valid, test = sets
+    out = []
+    if getattr(args, "train", False):
+        out.append(train)
+        if getattr(args, "val_batches", -1) != 0:
+            out.append(valid)
+    if getattr(args, "test", False) and getattr(args, "test_batches", -1) != 0:
+        out.append(test)
+    return out
+
+
+def padded(n: int) -> int:
+    """``n`` rounded up to a multiple of ``max(PAD_MIN, 2**floor(log2 n) / 8)``."""
+    step = max(PAD_MIN, (1 << max(n.bit_length() - 1, 0)) >> 3)
+    return step * ((n + step - 1) // step)
 
 
 def collate(pairs: Sequence[Pair]) -> Tuple[mx.array, ...]:
     """One batch of pairs as arrays (see the module docstring)."""
     b = len(pairs)
-    p = _padded(max(len(x.prompt) for x in pairs))
+    p = padded(max(len(x.prompt) for x in pairs))
     responses = [x.chosen for x in pairs] + [x.rejected for x in pairs]
-    r = _padded(max(len(x) for x in responses))
+    r = padded(max(len(x) for x in responses))
     prompts = np.zeros((b, p), np.int32)
     resp = np.zeros((2 * b, r), np.int32)
     for i, x in enumerate(pairs):

@@ -14,21 +14,30 @@ defaults are applied in ``activate``):
 ``--cce-no-check``      skip the one-time self-check against the model's logits
 ``--cce-memory-budget`` most working memory of the loss head above its inputs,
                         e.g. 512M, 2G (default: budget.default_for the batch)
-``--beta``              ORPO / DPO strength (default 0.1)
+``--beta``              preference strength (default 0.1; simpo 2.0)
+``--simpo-gamma``       SimPO's target margin (default 0.5)
+``--reference-model``   DPO / IPO / hinge: the reference checkpoint (default:
+                        the model without its adapters)
+``--apply-chat-template`` render string prompts (and ``system``) with the
+                        tokenizer's chat template
 
-``--loss orpo`` and ``--loss dpo`` (``loss_names``) train on preference
+``--loss orpo|dpo|ipo|hinge|simpo|cpo`` (``loss_names``) train on preference
 pairs: this plugin loads the rows (``pairs.py``), batches them by pairs and
-computes the loss from shared-prompt log-probs (``preference.py``).
+computes the loss from shared-prompt log-probs (``preference.py``,
+``objectives.py``).
 """
 
 import argparse
 import logging
+import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mlx_lm_ext import PluginError, hookimpl
 
 NAME = "flash-cce"
-PREFERENCE = ("orpo", "dpo")  # the extra --loss names (preference.LOSSES)
+PREFERENCE = ("orpo", "dpo", "ipo", "hinge", "simpo", "cpo")  # objectives.LOSSES
+REFERENCE = ("dpo", "ipo", "hinge")  # objectives.REFERENCE
+MAX_STRENGTH = 100.0  # objectives.MAX_STRENGTH
 PREF_KEY = "preference"
 
 DEFAULTS = {
@@ -66,7 +75,29 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         type=float,
         default=None,
         metavar="BETA",
-        help="--loss orpo / dpo: strength of the preference term (default 0.1)",
+        help="preference losses: strength of the preference term, in (0, 100] "
+        "(default 0.1; simpo 2.0)",
+    )
+    group.add_argument(
+        "--simpo-gamma",
+        type=float,
+        default=None,
+        metavar="GAMMA",
+        help="--loss simpo: target reward margin, in [0, 100] (default 0.5)",
+    )
+    group.add_argument(
+        "--reference-model",
+        default=None,
+        metavar="PATH",
+        help="--loss dpo / ipo / hinge: the reference checkpoint, e.g. an SFT model with "
+        "the same tokenizer (default: the model being trained, without its adapters)",
+    )
+    group.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        default=None,
+        help="preference losses: render string prompts as a user message (with the row's "
+        "'system' field) and the responses as the assistant's, by the chat template",
     )
     group.add_argument(
         "--cce-impl",
@@ -176,19 +207,44 @@ def options_from(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
-def _beta(args):
-    beta = getattr(args, "beta", None)
-    beta = 0.1 if beta is None else beta
-    if not isinstance(beta, (int, float)) or not beta > 0:
-        raise PluginError(f"--beta must be a positive number, got {beta!r}")
-    return float(beta)
+def _strength(args, key, default, low_open):
+    value = getattr(args, key, None)
+    if value is None:
+        return default
+    low = "(0" if low_open else "[0"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value) and (value > 0 if low_open else value >= 0)
+    if not ok or value > MAX_STRENGTH:
+        flag = "--" + key.replace("_", "-")
+        raise PluginError(
+            f"{flag} must be a finite number in {low}, {MAX_STRENGTH:g}], got {value!r}"
+        )
+    return float(value)
+
+
+def preference_options(args: Any) -> Dict[str, Any]:
+    """Validated options of the preference losses (``preference.make_loss``)."""
+    loss = getattr(args, "loss", None)
+    ref = getattr(args, "reference_model", None)
+    if ref is not None and loss in PREFERENCE and loss not in REFERENCE:
+        raise PluginError(
+            f"--reference-model: --loss {loss} uses no reference model "
+            f"(those that do: {', '.join(REFERENCE)})"
+        )
+    return {
+        "beta": _strength(args, "beta", None, True),
+        "gamma": _strength(args, "simpo_gamma", 0.5, False),
+        "reference_model": None if ref is None else str(ref),
+        "sets": (),
+        "tokenizer": None,
+    }
 
 
 @hookimpl
 def activate(command: str, args: argparse.Namespace) -> Any:
     options = options_from(args if args is not None else argparse.Namespace())
     # Preference losses' own options; make_loss leaves them out of the cce ones.
-    options[PREF_KEY] = {"beta": _beta(args), "sets": ()}
+    options[PREF_KEY] = preference_options(args)
     if command == "lora" and not log.handlers:
         # mlx_lm.lora configures no logging: show the auto backend's one line.
         handler = logging.StreamHandler()
@@ -213,7 +269,7 @@ def make_loss(name: str, model: Any, args: argparse.Namespace, options: Any) -> 
     if name != NAME and name not in PREFERENCE:
         return None
     if options is None:
-        options = dict(options_from(args), **{PREF_KEY: {"beta": _beta(args), "sets": ()}})
+        options = dict(options_from(args), **{PREF_KEY: preference_options(args)})
     cce = {k: v for k, v in options.items() if k != PREF_KEY}
     if name in PREFERENCE:
         return _preference_loss(name, model, args, options[PREF_KEY], cce)
@@ -227,21 +283,57 @@ def make_loss(name: str, model: Any, args: argparse.Namespace, options: Any) -> 
 def _preference_loss(name, model, args, pref, cce):
     from . import preference
 
-    if name == "dpo" and not getattr(args, "train", True) and _full_weights(args):
+    reference_model = None
+    if name in REFERENCE and pref["reference_model"] is not None:
+        reference_model = _reference_model(pref["reference_model"], pref["tokenizer"])
+    elif name in REFERENCE and not getattr(args, "train", True) and _full_weights(args):
         raise PluginError(
-            "--loss dpo --test without --train: the adapter folder holds fully fine-tuned "
-            "weights, so the base model that DPO's reference log-probs need is gone; "
-            "test with the same command that trained (--train --test)"
+            f"--loss {name} --test without --train: the adapter folder holds fully "
+            "fine-tuned weights, so the base model that the reference log-probs need is "
+            "gone; test with the same command that trained (--train --test), or name the "
+            "base with --reference-model"
         )
-    return preference.make_loss(
+    loss = preference.make_loss(
         model,
         name,
         beta=pref["beta"],
+        gamma=pref["gamma"],
         sets=pref["sets"],
         batch_size=args.batch_size,
         share_prompt=not getattr(args, "grad_checkpoint", False),
+        reference_model=reference_model,
         **cce,
     )
+    return loss  # the reference model's log-probs are in the pairs; its weights can go
+
+
+def _reference_model(path, tokenizer):
+    """The ``--reference-model`` checkpoint, frozen; its tokenizer must be the model's."""
+    from mlx_lm.utils import load
+
+    try:
+        model, ref_tok = load(path)
+    except Exception as e:  # a missing folder, a broken config: one line, exit 2
+        raise PluginError(
+            f"--reference-model {path}: cannot load ({type(e).__name__}: {e})"
+        ) from None
+    if tokenizer is not None and not _same_tokenizer(tokenizer, ref_tok):
+        raise PluginError(
+            f"--reference-model {path}: its tokenizer differs from the model's (vocabulary "
+            "or special tokens), so its log-probs would score other tokens"
+        )
+    model.freeze()
+    model.eval()
+    return model
+
+
+def _same_tokenizer(a, b):
+    try:
+        same = a.get_vocab() == b.get_vocab()
+    except AttributeError:  # a tokenizer without get_vocab: compare what it does
+        probe = "The reference model, 0123 ünïcode."
+        same = list(a.encode(probe)) == list(b.encode(probe))
+    return same and a.eos_token_id == b.eos_token_id and a.bos_token_id == b.bos_token_id
 
 
 def _full_weights(args):
@@ -263,7 +355,9 @@ def load_dataset(name: str, args: argparse.Namespace, tokenizer: Any, options: A
 
     sets = pairs.load(args, tokenizer)
     if options is not None:
-        options[PREF_KEY]["sets"] = sets  # DPO's reference covers every split
+        # the reference log-probs cover the splits this run reads, no more
+        options[PREF_KEY]["sets"] = pairs.read_by(args, sets)
+        options[PREF_KEY]["tokenizer"] = tokenizer
     return sets
 
 

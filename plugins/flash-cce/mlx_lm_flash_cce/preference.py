@@ -1,35 +1,32 @@
-"""Preference losses for ``mlx_lm.lora --loss orpo|dpo``: log-probs without logits.
+"""Preference losses for ``mlx_lm.lora --loss NAME``: log-probs without logits.
 
 Each batch of pairs (``pairs.collate``) runs its prompts once
 (``shared_prompt``); the response tokens' log-probs come from the hidden
 states and the head through ``api.linear_cross_entropy`` (its quantized
 heads, its row padding for the 2- and 3-row quantized matmul, its backends),
-never from ``[tokens, vocab]`` logits.
+never from ``[tokens, vocab]`` logits. The objectives (ORPO, DPO, IPO, hinge,
+SimPO, CPO) and their formulas are in ``objectives``.
 
-- ORPO (Hong et al., as TRL computes it): with ``c``, ``r`` the mean
-  per-token log-probs of the chosen and rejected responses,
-  ``log_odds = (c - r) - (log(1 - e^c) - log(1 - e^r))`` and
-  ``loss = NLL(chosen) - beta * mean(log_sigmoid(log_odds))``; the NLL is
-  the mean over the chosen responses' tokens; rewards ``beta * c`` and
-  ``beta * r``.
-- DPO (sigmoid): with ``c``, ``r`` the summed log-probs and ``c0``, ``r0``
-  those of the reference model,
-  ``loss = mean(-log_sigmoid(beta * ((c - r) - (c0 - r0))))``; rewards
-  ``beta * (c - c0)`` and ``beta * (r - r0)``. The reference log-probs are
-  computed once, before the first step, for every pair of every split, with
-  LoRA/DoRA adapters switched off (a full fine-tune: the weights as training
-  starts), and ride in each batch.
+The reference log-probs of DPO, IPO and hinge are computed once, before the
+first step, for every pair of the splits the run reads (``sets``): in
+batches of pairs of similar length, without gradients, from the model with
+its LoRA/DoRA adapters switched off (a full fine-tune: the weights as
+training starts), or from another checkpoint (``--reference-model``); they
+ride in each batch.
 
 The loss reports ``METRICS`` (the host prints them beside mlx-lm's lines):
 the mean reward margin, the fraction of pairs whose chosen reward is higher,
-and the mean chosen and rejected log-probs the loss uses (per-token means
-for ORPO, sums for DPO).
+and the mean chosen and rejected log-probs the objective uses (per-token
+means or sums). In training its token count is each prompt once plus both
+responses (mlx-lm's tokens per second); in evaluation it is the number of
+pairs, so mlx-lm's ``evaluate``, which weights each batch by that count,
+reports the mean over pairs, as TRL does, not over tokens.
 """
 
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterator, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,41 +34,14 @@ from mlx.utils import tree_unflatten
 
 from mlx_lm_ext import backbone
 
-from . import api, pairs, shared_prompt
+from . import api, objectives, pairs, shared_prompt
+from .objectives import dpo, log1m_exp, log_sigmoid, orpo  # noqa: F401  (the formulas' home)
 
 log = logging.getLogger("mlx_lm_flash_cce")
 
-LOSSES = ("orpo", "dpo")
+LOSSES = objectives.LOSSES
 METRICS = ("reward_margin", "accuracy", "chosen_logp", "rejected_logp")
 DEFAULT_BETA = 0.1
-
-
-def log_sigmoid(x: mx.array) -> mx.array:
-    return -mx.logaddexp(mx.zeros_like(x), -x)
-
-
-def log1m_exp(x: mx.array) -> mx.array:
-    """``log(1 - exp(x))`` for ``x < 0``, stable at both ends."""
-    x = mx.minimum(x, -1e-7)  # a mean log-prob of exactly 0 would be log(0)
-    return mx.where(x > -0.6931, mx.log(-mx.expm1(x)), mx.log1p(-mx.exp(x)))
-
-
-def orpo(
-    chosen: mx.array, rejected: mx.array, nll: mx.array, beta: float
-) -> Tuple[mx.array, mx.array, mx.array]:
-    """``(loss, chosen_rewards, rejected_rewards)`` from mean per-token log-probs ``[B]``."""
-    log_odds = (chosen - rejected) - (log1m_exp(chosen) - log1m_exp(rejected))
-    loss = nll - beta * log_sigmoid(log_odds).mean()
-    return loss, beta * chosen, beta * rejected
-
-
-def dpo(
-    chosen: mx.array, rejected: mx.array, ref_chosen: mx.array, ref_rejected: mx.array, beta: float
-) -> Tuple[mx.array, mx.array, mx.array]:
-    """``(loss, chosen_rewards, rejected_rewards)`` from summed log-probs ``[B]``."""
-    margin = (chosen - rejected) - (ref_chosen - ref_rejected)
-    loss = -log_sigmoid(beta * margin).mean()
-    return loss, beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
 
 
 def metrics(
@@ -175,28 +145,67 @@ def adapters_off(model: nn.Module) -> Iterator[int]:
         model.update_modules(tree_unflatten([(p, m) for p, m, _ in swapped]))
 
 
-def reference(model: nn.Module, token_logps: Callable, sets: Sequence[Any], batch_size: int) -> int:
-    """Fill ``pair.ref`` for every pair of ``sets`` that has none; returns how many."""
+def _by_length(sets: Sequence[Any]) -> List[pairs.Pair]:
     todo = [p for s in sets for p in s.pairs if p.ref is None]
+    return sorted(todo, key=lambda p: (len(p.prompt), max(len(p.chosen), len(p.rejected))))
+
+
+def _progress(total: int, what: str):
+    from tqdm import tqdm  # as mlx_lm.lora's --test
+
+    return tqdm(total=total, desc=what, unit="pair", disable=mx.distributed.init().rank() != 0)
+
+
+def fill_reference(
+    model: nn.Module, token_logps: Callable, todo: Sequence[pairs.Pair], batch_size: int
+) -> None:
+    """``pair.ref`` (summed log-probs) for each of ``todo`` from ``model`` as it is, no gradients."""
+    was_training = model.training
+    model.eval()
+    try:
+        with _progress(len(todo), "reference log-probs") as bar:
+            for i in range(0, len(todo), batch_size):
+                chunk = todo[i : i + batch_size]
+                prompts, plens, responses, rlens, _ = pairs.collate(chunk)
+                seq = sequence_logps(token_logps(model, prompts, plens, responses), rlens)
+                seq = seq.tolist()
+                for j, pair in enumerate(chunk):
+                    pair.ref = (seq[j], seq[len(chunk) + j])
+                bar.update(len(chunk))
+    finally:
+        model.train(was_training)
+
+
+def reference(
+    model: nn.Module,
+    token_logps: Callable,
+    sets: Sequence[Any],
+    batch_size: int,
+    reference_model: Optional[nn.Module] = None,
+) -> int:
+    """Fill ``pair.ref`` for every pair of ``sets`` that has none; returns how many.
+
+    From ``reference_model`` when given, else from ``model`` with its adapters off.
+    """
+    todo = _by_length(sets)
     if not todo:
         return 0
     tic = time.perf_counter()
-    was_training = model.training
-    model.eval()
-    with adapters_off(model) as n_off:
-        for i in range(0, len(todo), batch_size):
-            chunk = todo[i : i + batch_size]
-            prompts, plens, responses, rlens, _ = pairs.collate(chunk)
-            seq = sequence_logps(token_logps(model, prompts, plens, responses), rlens)
-            seq = seq.tolist()
-            for j, pair in enumerate(chunk):
-                pair.ref = (seq[j], seq[len(chunk) + j])
-    model.train(was_training)
+    if reference_model is not None:
+        ref_logps = make_token_logps(reference_model)
+        fill_reference(reference_model, ref_logps, todo, batch_size)
+        what = "the reference model"
+    else:
+        with adapters_off(model) as n_off:
+            fill_reference(model, token_logps, todo, batch_size)
+        what = f"{n_off} adapter layers off" if n_off else "the weights as training starts"
+    took = time.perf_counter() - tic
     log.info(
-        "flash-cce: dpo reference log-probs of %d pairs (%s) in %.1f s",
+        "flash-cce: reference log-probs of %d pairs (%s) in %.1f s (%.2f s per pair)",
         len(todo),
-        f"{n_off} adapter layers off" if n_off else "the weights as training starts",
-        time.perf_counter() - tic,
+        what,
+        took,
+        took / len(todo),
     )
     return len(todo)
 
@@ -205,41 +214,43 @@ def make_loss(
     model: nn.Module,
     name: str,
     *,
-    beta: float = DEFAULT_BETA,
+    beta: Optional[float] = None,
+    gamma: float = objectives.DEFAULT_GAMMA,
     sets: Sequence[Any] = (),
     batch_size: int = 4,
     check: bool = True,
     share_prompt: bool = True,
+    reference_model: Optional[nn.Module] = None,
     **options: Any,
 ) -> Callable[..., Tuple[mx.array, mx.array, mx.array]]:
     """``loss(model, prompts, prompt_lens, responses, response_lens, refs)
     -> (loss, ntokens, metrics)`` for ``name`` in ``LOSSES``.
 
-    ``ntokens`` counts each prompt once plus both responses. DPO first fills
-    the reference log-probs of every pair in ``sets``. ``share_prompt=False``
-    (mlx-lm's ``--grad-checkpoint``) runs each pair as two full sequences.
+    ``beta`` defaults per objective (``objectives.DEFAULT_BETA``), ``gamma``
+    is SimPO's target margin. ``ntokens`` counts each prompt once plus both
+    responses in training and the pairs in evaluation. DPO, IPO and hinge
+    first fill the reference log-probs of every pair in ``sets``.
+    ``share_prompt=False`` (mlx-lm's ``--grad-checkpoint``) runs each pair as
+    two full sequences.
     """
     if name not in LOSSES:
         raise ValueError(f"unknown preference loss {name!r} (have: {', '.join(LOSSES)})")
+    beta = objectives.DEFAULT_BETA[name] if beta is None else beta
     options = {k: v for k, v in options.items() if k != "verbose"}
     token_logps = make_token_logps(model, check=check, share_prompt=share_prompt, **options)
-    if name == "dpo":
-        reference(model, token_logps, sets, batch_size)
+    if name in objectives.REFERENCE:
+        reference(model, token_logps, sets, batch_size, reference_model)
 
     def loss(model, prompts, prompt_lens, responses, response_lens, refs):
-        b = prompts.shape[0]
         tok = token_logps(model, prompts, prompt_lens, responses)
         seq = sequence_logps(tok, response_lens)
-        if name == "orpo":
-            lens = response_lens.astype(mx.float32)
-            mean = seq / lens
-            nll = -seq[:b].sum() / lens[:b].sum()
-            value, cr, rr = orpo(mean[:b], mean[b:], nll, beta)
-            chosen, rejected = mean[:b], mean[b:]
-        else:
-            value, cr, rr = dpo(seq[:b], seq[b:], refs[:, 0], refs[:, 1], beta)
-            chosen, rejected = seq[:b], seq[b:]
-        ntoks = prompt_lens.sum() + response_lens.sum()
+        value, cr, rr, chosen, rejected = objectives.objective(
+            name, seq, response_lens, refs, beta, gamma
+        )
+        if model.training:
+            ntoks = prompt_lens.sum() + response_lens.sum()
+        else:  # evaluate weights batches by this: a mean over pairs
+            ntoks = mx.array(prompts.shape[0], mx.int32)
         return value.astype(mx.float32), ntoks, metrics(cr, rr, chosen, rejected)
 
     loss.metrics, loss.shared, loss.flash = METRICS, token_logps.shared, token_logps.flash

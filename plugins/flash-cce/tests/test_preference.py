@@ -8,12 +8,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from cce_helpers import near
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import _get_classes
 
 from mlx_lm_ext import PluginError, backbone
 from mlx_lm_ext.testing import tiny_config
-from mlx_lm_flash_cce import pairs, preference, shared_prompt
+from mlx_lm_flash_cce import objectives, pairs, preference, shared_prompt
 
 VOCAB = 512
 _BASE = {
@@ -311,7 +311,27 @@ def test_rows_strings_and_chat_messages(tokenizer, tmp_path):
         ({"prompt": "a", "chosen": "b"}, "train.jsonl line 2: not a preference row"),
         ({"prompt": "a", "chosen": ["b"], "rejected": "c"}, "line 2: with a string prompt"),
         ({"prompt": "a", "chosen": "", "rejected": "c"}, "line 2: 'chosen' is empty"),
-        ("{not json", "train.jsonl line 2: Expecting property name"),
+        (
+            "{not json",
+            r"^train.jsonl line 2, column 2: not valid JSON \(Expecting property name "
+            r"enclosed in double quotes\)$",
+        ),
+        (
+            {"prompt": [{"role": "user", "content": 7}], "chosen": "a", "rejected": "b"},
+            r"^train.jsonl line 2: 'prompt' message 1: 'content' must be a string \(got int\)$",
+        ),
+        (
+            {
+                "prompt": [{"role": "user", "content": "q"}],
+                "chosen": [{"role": "assistant", "content": ["x"]}],
+                "rejected": "b",
+            },
+            "line 2: 'chosen' message 1: 'content' must be a string",
+        ),
+        (
+            {"prompt": "q", "chosen": "a", "rejected": "b", "system": "Be brief."},
+            "line 2: a 'system' field needs a prompt of chat messages or --apply-chat-template",
+        ),
     ],
 )
 def test_bad_rows_name_file_and_line(tokenizer, tmp_path, row, message):
@@ -346,8 +366,283 @@ def test_batches_by_pairs(tokenizer, tmp_path):
     assert len(batches) == 2  # 5 pairs, batches of 2, the rest left out as mlx-lm does
     for prompts, _, responses, rlens, refs in batches:
         assert prompts.shape[0] == 2 and responses.shape[0] == 4 and refs.shape == (2, 2)
-        assert prompts.shape[1] % pairs.PAD_TO == 0 and responses.shape[1] % pairs.PAD_TO == 0
+        assert prompts.shape[1] == pairs.padded(prompts.shape[1]) and responses.shape[1] % 8 == 0
         for i in range(2):
             assert rlens[i].item() < rlens[2 + i].item()  # chosen rows, then rejected rows
     with pytest.raises(ValueError, match="at least batch_size=8"):
         next(pairs.iterate_batches(data, 8, 64))
+
+
+def test_row_that_is_not_utf8_names_file_line_and_column(tokenizer, tmp_path):
+    good = json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"}).encode()
+    bad = b'{"prompt": "caf\xe9", "chosen": "c", "rejected": "r"}'
+    (tmp_path / "train.jsonl").write_bytes(good + b"\n" + bad + b"\n")
+    with pytest.raises(PluginError, match=r"^train.jsonl line 2, column 16: not UTF-8 text"):
+        pairs.load_split(tmp_path / "train.jsonl", tokenizer, 64)
+
+
+def test_chat_template_failure_names_file_and_line(smollm2_tokenizer_dir, tmp_path):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(smollm2_tokenizer_dir)  # its own copy: the template changes
+    tok._tokenizer.chat_template = "{{ raise_exception('this template takes no system') }}"
+    row = {"prompt": [{"role": "system", "content": "s"}], "chosen": "a", "rejected": "b"}
+    _write(tmp_path, "train", [row])
+    with pytest.raises(
+        PluginError,
+        match=r"^train.jsonl line 1: the chat template fails on "
+        r"this row \(TemplateError: this template takes no system\)$",
+    ):
+        pairs.load_split(tmp_path / "train.jsonl", tok, 64)
+
+
+def test_system_field_and_string_prompt_with_the_chat_template(tokenizer):
+    row = {
+        "prompt": "Name a colour.",
+        "chosen": "Blue.",
+        "rejected": "Seven.",
+        "system": "Be brief.",
+    }
+    as_messages = {
+        "prompt": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."},
+        ],
+        "chosen": [{"role": "assistant", "content": "Blue."}],
+        "rejected": [{"role": "assistant", "content": "Seven."}],
+    }
+    got = pairs.render(row, tokenizer, chat_template=True)
+    assert got == pairs.render(as_messages, tokenizer)
+    assert "Be brief." in tokenizer.decode(got[0]) and "<|im_start|>user" in tokenizer.decode(
+        got[0]
+    )
+    # on a prompt of messages, ``system`` goes in front
+    system_row = {
+        "prompt": as_messages["prompt"][1:],
+        "chosen": "Blue.",
+        "rejected": "Seven.",
+        "system": "Be brief.",
+    }
+    assert pairs.render(system_row, tokenizer) == got
+    with pytest.raises(ValueError, match="a 'system' field and its prompt a system message"):
+        pairs.render(dict(as_messages, system="Be long."), tokenizer)
+
+
+def test_padding_keeps_short_rows_short():
+    assert [pairs.padded(n) for n in (1, 9, 48, 65, 100, 129, 300)] == [
+        8,
+        16,
+        48,
+        72,
+        104,
+        144,
+        320,
+    ]
+    for n in range(1, 3000):
+        assert n <= pairs.padded(n) <= max(n + 7, n * 9 / 8)
+    rows = [pairs.Pair(list(range(1, 49)), list(range(1, 49)), list(range(1, 48)))]
+    prompts, _, responses, _, _ = pairs.collate(rows)
+    assert prompts.shape == (1, 48) and responses.shape == (2, 48)  # not 64
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"beta": math.inf}, r"--beta must be a finite number in \(0, 100\], got inf"),
+        ({"beta": 1e308}, r"--beta must be a finite number in \(0, 100\], got 1e\+308"),
+        ({"beta": math.nan}, "--beta must be a finite number"),
+        ({"beta": 0.0}, "--beta must be"),
+        ({"beta": -1.0}, "--beta must be"),
+        ({"beta": True}, "--beta must be"),
+        ({"beta": "0.1"}, "--beta must be"),
+        ({"simpo_gamma": -0.5}, r"--simpo-gamma must be a finite number in \[0, 100\]"),
+        ({"simpo_gamma": math.inf}, "--simpo-gamma must be"),
+        ({"loss": "orpo", "reference_model": "sft"}, "--loss orpo uses no reference model"),
+    ],
+)
+def test_preference_options_refused_outside_their_range(flags, message):
+    import argparse
+
+    from mlx_lm_flash_cce import plugin
+
+    with pytest.raises(PluginError, match=message):
+        plugin.preference_options(argparse.Namespace(**flags))
+
+
+def test_preference_options_defaults_and_values():
+    import argparse
+
+    from mlx_lm_flash_cce import plugin
+
+    opts = plugin.preference_options(argparse.Namespace(loss="dpo"))
+    assert opts["beta"] is None and opts["gamma"] == 0.5 and opts["reference_model"] is None
+    opts = plugin.preference_options(argparse.Namespace(beta=100, simpo_gamma=0, loss="simpo"))
+    assert opts["beta"] == 100.0 and opts["gamma"] == 0.0
+    assert plugin.PREFERENCE == preference.LOSSES
+    assert plugin.REFERENCE == objectives.REFERENCE
+
+
+# ------------------------------------------------------------- objectives
+
+C, R = [-10.0, -22.5, -7.0], [-12.0, -20.0, -7.5]  # summed log-probs
+C0, R0 = [-11.0, -21.0, -7.2], [-11.5, -20.5, -7.1]
+LC, LR = [4, 9, 3], [5, 8, 3]  # their token counts
+
+
+def _run(name, beta, gamma=0.5):
+    seq = mx.array(C + R)
+    lens = mx.array(LC + LR)
+    refs = mx.array([list(x) for x in zip(C0, R0, strict=True)])
+    return [x.tolist() for x in objectives.objective(name, seq, lens, refs, beta, gamma)]
+
+
+def test_ipo_against_its_formula():
+    beta = 0.2
+    loss, cr, rr, c, r = _run("ipo", beta)
+    mean = lambda s, n: [a / b for a, b in zip(s, n, strict=True)]  # noqa: E731
+    mc, mr, m0c, m0r = mean(C, LC), mean(R, LR), mean(C0, LC), mean(R0, LR)
+    h = [(a - b) - (a0 - b0) for a, b, a0, b0 in zip(mc, mr, m0c, m0r, strict=True)]
+    assert loss == pytest.approx(sum((x - 1 / (2 * beta)) ** 2 for x in h) / 3, rel=1e-5)
+    assert cr == pytest.approx([beta * (a - a0) for a, a0 in zip(mc, m0c, strict=True)], rel=1e-5)
+    assert c == pytest.approx(mc, rel=1e-6) and r == pytest.approx(mr, rel=1e-6)
+
+
+def test_hinge_against_its_formula():
+    beta = 0.5
+    loss, cr, rr, c, r = _run("hinge", beta)
+    h = [(a - b) - (a0 - b0) for a, b, a0, b0 in zip(C, R, C0, R0, strict=True)]
+    assert loss == pytest.approx(sum(max(0.0, 1 - beta * x) for x in h) / 3, rel=1e-5)
+    assert rr == pytest.approx([beta * (b - b0) for b, b0 in zip(R, R0, strict=True)], rel=1e-5)
+    assert c == pytest.approx(C)
+
+
+def test_simpo_against_its_formula():
+    beta, gamma = 2.0, 0.7
+    loss, cr, rr, c, r = _run("simpo", beta, gamma)
+    mc = [a / n for a, n in zip(C, LC, strict=True)]
+    mr = [b / n for b, n in zip(R, LR, strict=True)]
+    want = -sum(_log_sigmoid(beta * (a - b) - gamma) for a, b in zip(mc, mr, strict=True)) / 3
+    assert loss == pytest.approx(want, rel=1e-5)
+    assert cr == pytest.approx([beta * a for a in mc], rel=1e-5)
+    assert rr == pytest.approx([beta * b for b in mr], rel=1e-5)
+    # no reference: other reference log-probs change nothing
+    seq, lens = mx.array(C + R), mx.array(LC + LR)
+    other = objectives.objective("simpo", seq, lens, mx.zeros((3, 2)), beta, gamma)[0]
+    assert other.item() == pytest.approx(loss)
+
+
+def test_cpo_against_its_formula():
+    beta = 0.1
+    loss, cr, rr, c, r = _run("cpo", beta)
+    nll = -sum(C) / sum(LC)
+    want = -sum(_log_sigmoid(beta * (a - b)) for a, b in zip(C, R, strict=True)) / 3 + nll
+    assert loss == pytest.approx(want, rel=1e-5)
+    assert cr == pytest.approx([beta * a for a in C], rel=1e-5)
+
+
+def test_orpo_and_dpo_through_objective_match_their_formulas():
+    beta = 0.25
+    mc = mx.array([a / n for a, n in zip(C, LC, strict=True)])
+    mr = mx.array([b / n for b, n in zip(R, LR, strict=True)])
+    want = preference.orpo(mc, mr, mx.array(-sum(C) / sum(LC)), beta)[0].item()
+    assert _run("orpo", beta)[0] == pytest.approx(want, rel=1e-6)
+    want = preference.dpo(*(mx.array(x) for x in (C, R, C0, R0)), beta)[0].item()
+    assert _run("dpo", beta)[0] == pytest.approx(want, rel=1e-6)
+
+
+# ------------------------------------------------- reference and validation
+
+
+def _pair_set(n, seed=0, name="train.jsonl"):
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p, c, r = rng.randint(2, 12), rng.randint(1, 9), rng.randint(1, 9)
+        tok = lambda k: [rng.randint(1, VOCAB - 1) for _ in range(k)]  # noqa: E731
+        out.append(pairs.Pair(tok(p), tok(c), tok(r)))
+    return pairs.PairDataset(out, name)
+
+
+def test_reference_pass_reads_only_the_given_splits_in_batches_by_length():
+    model = _model("llama")
+    token_logps = preference.make_token_logps(model, backend="mlx")
+    calls = []
+
+    def counting(model, prompts, plens, responses):
+        calls.append(plens.tolist())
+        return token_logps(model, prompts, plens, responses)
+
+    train, other = _pair_set(7), _pair_set(3, seed=1, name="test.jsonl")
+    assert preference.reference(model, counting, [train], batch_size=3) == 7
+    assert all(p.ref is not None for p in train.pairs)
+    assert all(p.ref is None for p in other.pairs)  # not given: not computed
+    assert [len(c) for c in calls] == [3, 3, 1]
+    flat = [n for c in calls for n in c]
+    assert flat == sorted(flat)  # pairs of similar length share a batch
+    # each pair's reference equals its own log-probs computed alone
+    for pair in train.pairs[:3]:
+        prompts, plens, responses, rlens, _ = pairs.collate([pair])
+        seq = preference.sequence_logps(token_logps(model, prompts, plens, responses), rlens)
+        assert seq.tolist() == pytest.approx(list(pair.ref), rel=1e-4, abs=1e-4)
+
+
+def test_read_by_names_the_splits_a_run_reads():
+    import argparse
+
+    sets = [_pair_set(1, name=n) for n in ("train", "valid", "test")]
+    names = lambda **kw: [s.name for s in pairs.read_by(argparse.Namespace(**kw), sets)]  # noqa: E731
+    assert names(train=True, test=False, val_batches=25) == ["train", "valid"]
+    assert names(train=True, test=False, val_batches=0) == ["train"]
+    assert names(train=False, test=True, test_batches=-1) == ["test"]
+    assert names(train=True, test=True, val_batches=-1, test_batches=5) == [
+        "train",
+        "valid",
+        "test",
+    ]
+
+
+def test_reference_model_gives_the_reference_log_probs():
+    model = _model("llama")
+    mx.random.seed(1)
+    other = _model("llama")
+    mx.random.seed(5)  # other weights than the policy's
+    other.update(
+        tree_map(lambda x: x + 0.05 * mx.random.normal(x.shape, x.dtype), other.parameters())
+    )
+    data = _pair_set(4)
+    preference.make_loss(
+        model, "dpo", sets=[data], batch_size=2, backend="mlx", reference_model=other
+    )
+    want_fn = preference.make_token_logps(other, backend="mlx")
+    prompts, plens, responses, rlens, _ = pairs.collate(data.pairs)
+    want = preference.sequence_logps(want_fn(other, prompts, plens, responses), rlens).tolist()
+    got = [p.ref[0] for p in data.pairs] + [p.ref[1] for p in data.pairs]
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-4)
+    mine = preference.sequence_logps(
+        preference.make_token_logps(model, backend="mlx")(model, prompts, plens, responses), rlens
+    ).tolist()
+    assert not got == pytest.approx(mine, rel=1e-3)  # not the policy's own
+
+
+@pytest.mark.parametrize("name", ["dpo", "orpo"])
+def test_validation_is_a_mean_over_pairs(name):
+    from mlx_lm.tuner.trainer import evaluate
+
+    model = _model("llama")
+    data = _pair_set(6)
+    for i, p in enumerate(data.pairs):  # one batch of long prompts, the others short
+        p.prompt = p.prompt * (8 if i < 2 else 1)
+    loss = preference.make_loss(model, name, sets=[data], batch_size=2, backend="mlx")
+    model.eval()
+    per_batch = [loss(model, *b)[0].item() for b in pairs.iterate_batches(data, 2, 512)]
+    got = evaluate(
+        model,
+        data,
+        2,
+        -1,
+        loss=lambda m, *b: loss(m, *b)[:2],
+        iterate_batches=pairs.iterate_batches,
+    )
+    assert got == pytest.approx(sum(per_batch) / 3, rel=1e-4)

@@ -142,7 +142,7 @@ def test_dpo_from_yaml_margin_rises(smollm2_f32_path, own_pairs, tmp_path):
     yaml = tmp_path / "dpo.yaml"
     yaml.write_text("loss: dpo\nbeta: 0.1\n")
     lines, out = _lora(smollm2_f32_path, plain, tmp_path / "dpo", "-c", str(yaml))
-    assert "dpo reference log-probs of 10 pairs" in out
+    assert "reference log-probs of 10 pairs" in out
     val, train = lines["val"], lines["train"]
     # before the first step the model is its own reference: every reward is 0
     assert val[1][0] == 0.0
