@@ -8,6 +8,7 @@ requests go in the same order, so mlx-lm's own memory tier makes the same
 short prefix hits (the shared chat-template tokens) as in the cold run.
 """
 
+import os
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from mlx_lm_ext import safefs
 from mlx_lm_ssd_cache import fileformat
 
 PROMPTS = [
@@ -130,6 +132,9 @@ def test_kill_9_during_a_write_loses_only_that_entry(servers, model, tmp_path):
     s.proc.wait()
     assert len(tmps(d)) == 1 and len(entries(d)) == 2
     assert f".{dead}." in tmps(d)[0].name
+    # Nobody holds its lock now; past the grace period it is reaped.
+    stale = time.time() - 2 * safefs.REAP_GRACE
+    os.utime(tmps(d)[0], (stale, stale))
 
     s2 = servers(model, d, tmp_path / "2.log").wait_ready()
     again = [s2.chat(p) for p in PROMPTS[:3]]
