@@ -1,31 +1,36 @@
-"""``backend="auto"``: measure the candidate paths once, keep the fastest that fits.
+"""The measuring choice among the flash-cce paths: time the candidates once, keep the fastest that fits.
 
-On the first call of a shape bucket (the first training batch), each
-candidate path runs loss + hidden-state gradient once on inputs of the
-call's shapes, dtype and head kind, on its device, and the fastest whose
-peak working memory fits the memory budget wins. Candidates:
+``selection.select`` calls ``choose`` for a call whose request leaves the
+path open (``impl`` ``auto`` or ``flash`` with ``backend="auto"``), with the
+paths that can run it here. On the first call of a shape bucket (the first
+training batch), each candidate runs loss + hidden-state gradient once on
+inputs of the call's shapes, dtype and head kind, on its device, and the
+fastest whose peak working memory fits the memory budget wins. Candidates:
 
-- ``stock``: mlx-lm's full-logit loss, where its logits fit the budget (on
-  a GPU with room for it, a dense head is also timed over budget as the
-  reference the log line compares with; never for a quantized head on the
-  CPU, where MLX's quantized matmul is ~10x slower than the pure-MLX path's
-  BLAS blocks). Timed uncompiled: it needs no kernel compile that way;
-- ``mlx``: the pure-MLX path; on a GPU in big blocks with the one-pass
-  step and MLX's backpressure (``budget.bounded``), on the CPU in today's
-  small blocks (the CPU allocates only a few operations ahead);
-- ``cuda-gemm`` (CUDA GPU): the same blocks with its CUDA row kernel (there
-  the pure-MLX path is tried in big blocks only, as a fallback);
-- ``cuda`` fused kernels and the pure-MLX path in small blocks: the least
-  memory and the slowest, so they are tried only when nothing else fits
-  (their compile time would otherwise dominate the trial).
+- ``stock``: mlx-lm's full-logit loss, where the request allows it and its
+  logits fit the budget (on a GPU with room for it, a dense head is also
+  timed over budget as the reference the log line compares with; never for
+  a quantized head on the CPU, where MLX's quantized matmul is much slower
+  than the pure-MLX path's BLAS blocks). Timed uncompiled: it needs no
+  kernel compile that way;
+- ``mlx``: the pure-MLX path in small blocks (the CPU's path: the CPU
+  allocates only a few operations ahead); on a GPU a last resort;
+- ``mlx-blocks`` (GPU): the pure-MLX one-pass step in big blocks under MLX's
+  backpressure (``budget.bounded``); on CUDA in the first blocks only, as a
+  fallback for ``cuda-gemm``;
+- ``cuda-gemm`` (CUDA GPU): the same blocks with its CUDA row kernel;
+- ``cuda`` fused kernels: the least memory and the slowest, so tried only
+  when nothing else fits (their compile time would otherwise dominate).
 
-One log line says what was tried and what won. The choice is kept in
-memory and on disk (``cache_root()/flash-cce/autotune.json``: the user
-cache dir or ``$MLX_LM_EXT_CACHE``; ``$MLX_LM_FLASH_CCE_CACHE`` names
-another folder) per (device, MLX version, shape
-bucket, dtype, head kind, budget); an entry written by another MLX version
-or device is ignored. A candidate that fails (out of memory, a kernel
-that does not build) is dropped with a debug log line.
+One log line says what was tried and what won, or why one candidate was
+left (each other path with its reason: over the budget, not asked for, not
+timed). The choice is kept in memory and on disk
+(``cache_root()/flash-cce/autotune.json``: the user cache dir or
+``$MLX_LM_EXT_CACHE``; ``$MLX_LM_FLASH_CCE_CACHE`` names another folder)
+per (request, device, MLX version, shape bucket, dtype, head kind, budget):
+an ``auto`` call never reuses what a ``flash``-only call decided. An entry
+written by another MLX version or device is ignored. A candidate that fails
+(out of memory, a kernel that does not build) is dropped with a debug line.
 
 Data-parallel runs (``mx.distributed``): rank 0 decides (its cache or its
 trial) on the first call and every rank takes rank 0's choice through one
@@ -37,9 +42,9 @@ import gc
 import json
 import logging
 import os
+import pathlib
 import time
-from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -47,12 +52,13 @@ from . import budget as _budget
 from . import heads as _heads
 from . import portable as _portable
 from . import ranks
-from .candidate import GPU_BLOCKS, MIB, Candidate, Choice, Result  # noqa: F401 (re-exported)
+from .candidate import GPU_BLOCKS, MIB, Candidate, Choice, Path, Result  # noqa: F401 (re-exported)
 from .paths import CACHE_ENV, cache_dir  # noqa: F401 (re-exported)
 
 log = logging.getLogger("mlx_lm_flash_cce")
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: candidates name a Path, keys name the request
+REQUESTS = ("auto", "flash")  # what choose decides among: every path, or the flash paths
 
 
 def device_name() -> str:
@@ -75,16 +81,17 @@ def bucket(n_tokens: int) -> int:
     return 1 << max(0, (n_tokens - 1).bit_length())
 
 
-def cache_path() -> Path:
+def cache_path() -> pathlib.Path:
     return cache_dir() / "autotune.json"
 
 
-def _key(spec, n, h, dtype, nbytes, opts) -> str:
+def _key(spec, n, h, dtype, nbytes, opts, request="auto") -> str:
     extra = ""
     if opts.softcap is not None or opts.logit_scale is not None:
         extra = f"|cap{opts.softcap}|scale{opts.logit_scale}"
     return (
-        f"N{bucket(n)}|V{spec.vocab}|H{h}|{_dtype(dtype)}|{head_kind(spec)}|budget{nbytes}{extra}"
+        f"{request}|N{bucket(n)}|V{spec.vocab}|H{h}|{_dtype(dtype)}|{head_kind(spec)}"
+        f"|budget{nbytes}{extra}"
     )
 
 
@@ -100,7 +107,15 @@ def _load_cache() -> dict:
     return data if isinstance(data, dict) and data.get("version") == CACHE_VERSION else {}
 
 
-def _save_cache(key: str, entry: dict) -> None:
+def _save_cache(key: str, choice: Choice) -> None:
+    entry = {
+        "candidate": choice.candidate.as_dict(),
+        "ms": choice.ms,
+        "peak": choice.peak,
+        "line": choice.line,
+        "mlx": mx.__version__,
+        "device": device_name(),
+    }
     path = cache_path()
     try:
         data = _load_cache() or {"version": CACHE_VERSION}
@@ -126,8 +141,9 @@ def _cached(key: str) -> Optional[Choice]:
         )
         return None
     try:
-        cand = Candidate(**entry["candidate"])
-    except (TypeError, KeyError):
+        fields = dict(entry["candidate"])
+        cand = Candidate(**dict(fields, path=Path(fields["path"])))
+    except (TypeError, KeyError, ValueError):
         return None
     return Choice(cand, entry.get("ms", 0.0), entry.get("peak", 0), entry.get("line", ""))
 
@@ -136,52 +152,51 @@ def _cached(key: str) -> Optional[Choice]:
 
 
 def stock_bytes(n: int, vocab: int, dtype: mx.Dtype) -> int:
-    """The stock loss's working memory: measured ~4 bytes a logit in bf16, 16 in float32."""
+    """The stock loss's working memory per logit, as measured (flash-cce-h200.md, flash-cce-cpu.md)."""
     return n * vocab * (16 if dtype.size >= 4 else 4)
 
 
 def floor_bytes(cand: Candidate, n: int, h: int, dtype: mx.Dtype) -> int:
-    """A lower bound on a candidate's working memory (accumulators, outputs, two blocks)."""
-    if cand.impl == "stock":
+    """A lower bound on a flash candidate's working memory (accumulators, outputs, blocks)."""
+    if cand.path is Path.STOCK:
         return 0  # stock_bytes is checked separately
     acc = n * h * (4 + dtype.size)
     if cand.vocab_chunk:
-        # Blocks alive at once, measured on the H200 (bf16, 8192 x 32768): the
-        # MLX step two (the logits and P; 1152 MiB with the accumulators), the
-        # row kernel four (its output and the backward's recomputed block
-        # overlap the next matmul; 2144 MiB). A candidate that cannot fit is
-        # never tried, which spares the trial its kernel compiles.
-        blocks = 4 if cand.backend == "cuda-gemm" else 2
+        # Blocks alive at once, as measured on the H200 (flash-cce-h200.md):
+        # the MLX step two (the logits and P), the row kernel four (its
+        # output and the backward's recomputed block overlap the next
+        # matmul). A candidate that cannot fit is never tried, which spares
+        # the trial its kernel compiles.
+        blocks = 4 if cand.path is Path.CUDA_GEMM else 2
         return acc + blocks * cand.token_chunk * cand.vocab_chunk * dtype.size
     return acc
 
 
-def candidates(spec: _heads.Head, n: int, h: int, dtype: mx.Dtype, include_stock: bool) -> list:
-    from . import backends, cuda
-
-    out = [Candidate("stock")] if include_stock else []
+def candidates(
+    spec: _heads.Head, n: int, include_stock: bool, runnable: Sequence[Path] = (Path.MLX,)
+) -> List[Candidate]:
+    """The trial's candidates for a call that ``runnable`` paths can run, fastest first."""
+    out = [Candidate(Path.STOCK)] if include_stock else []
     if not _budget.is_async_gpu():
-        return out + [Candidate("flash", "mlx")]
-    plain = spec.bias is None and not spec.has_lora
-    here = backends.available()
+        return out + [Candidate(Path.MLX)]
     seen = set()
-    on_cuda = cuda.available()
     # Fastest first, so that the trial can skip what a fitting result dominates:
-    # big blocks first, the row kernel before the MLX step (big blocks only on CUDA).
+    # big blocks first, the row kernel before the MLX step (on CUDA the MLX
+    # step in the first blocks only).
     for i, (tc, vc, limit) in enumerate(GPU_BLOCKS):
-        for backend in ("cuda-gemm", "mlx"):
-            if backend not in here or not plain or (backend == "cuda-gemm" and not on_cuda):
-                continue
-            if backend == "mlx" and on_cuda and i > 0:
+        for path in (Path.CUDA_GEMM, Path.MLX_BLOCKS):
+            if path not in runnable or (
+                path is Path.MLX_BLOCKS and Path.CUDA_GEMM in runnable and i
+            ):
                 continue
             tc, vc = min(tc, n), min(vc, spec.vocab)
-            if (backend, tc, vc) not in seen:
-                seen.add((backend, tc, vc))
-                out.append(Candidate("flash", backend, tc, vc, limit))
-    if "cuda" in here and plain:
-        out.append(Candidate("flash", "cuda", last_resort=True))
+            if (path, tc, vc) not in seen:
+                seen.add((path, tc, vc))
+                out.append(Candidate(path, tc, vc, limit))
+    if Path.CUDA in runnable:
+        out.append(Candidate(Path.CUDA, last_resort=True))
     # The CPU's small blocks: launch-bound on a GPU, but the least memory.
-    out.append(Candidate("flash", "mlx", 256, 1024, last_resort=plain))
+    out.append(Candidate(Path.MLX, 256, 1024, last_resort=True))
     return out
 
 
@@ -220,16 +235,16 @@ def _measure(run, cand, hidden) -> Result:
     """Milliseconds and peak bytes above the inputs of loss + hidden gradient.
 
     Compiled, as ``mlx_lm.lora`` compiles its training step: under
-    ``mx.grad`` alone MLX runs a compiled block step op by op (the pure-MLX
-    path took 30 ms instead of 20 on the H200), so an uncompiled trial
+    ``mx.grad`` alone MLX runs a compiled block step op by op (measured
+    slower, flash-cce-h200.md's compile probe), so an uncompiled trial
     would rank the paths as training never runs them (the stock head
     excepted, see below). The first call compiles and is not timed.
     """
     grad = mx.value_and_grad(lambda x: run(cand, x).sum())
-    if cand.impl != "stock":
+    if cand.path is not Path.STOCK:
         # The stock head is two GEMMs and a logsumexp, the same kernels
-        # compiled or not (18.0 and 17.7 ms on the H200), and uncompiled it
-        # costs no NVRTC compile: 0.3 s instead of 7.3 s on a first run.
+        # compiled or not (flash-cce-h200.md), and uncompiled it costs no
+        # NVRTC compile on a first run.
         grad = mx.compile(grad)
     # The last candidate's buffers go; the timed call reuses this one's, as a step does.
     mx.clear_cache()
@@ -287,17 +302,16 @@ def dominates(a: Candidate, b: Candidate) -> bool:
     GEMMs; ``b``'s blocks are no bigger (as many launches or more) and its
     memory limit no higher (as little run-ahead or less), and its
     elementwise step is the same or the unfused MLX one where ``a`` has the
-    row kernel. By measurement: blocks of a sixteenth the size or less (16x
-    the launches) are slower whatever their step (on the H200 the row kernel
-    in 2048 x 8192 took 1.37-1.45x the MLX step's time in 8192 x 32768).
+    row kernel. By measurement (flash-cce-h200.md): blocks of a sixteenth
+    the size or less (16x the launches) are slower whatever their step.
     """
-    if a.impl != "flash" or b.impl != "flash" or not a.vocab_chunk or not b.vocab_chunk:
+    big = (Path.CUDA_GEMM, Path.MLX_BLOCKS)
+    if a.path not in big or b.path not in big or not a.vocab_chunk or not b.vocab_chunk:
         return False
     if 16 * b.token_chunk * b.vocab_chunk <= a.token_chunk * a.vocab_chunk:
         return True
-    steps = {("cuda-gemm", "cuda-gemm"), ("cuda-gemm", "mlx"), ("mlx", "mlx")}
     return (
-        (a.backend, b.backend) in steps
+        (a.path is Path.CUDA_GEMM or b.path is Path.MLX_BLOCKS)
         and b.token_chunk <= a.token_chunk
         and b.vocab_chunk <= a.vocab_chunk
         and b.limit_mib <= a.limit_mib
@@ -328,13 +342,74 @@ _MEMORY = {}  # key -> Choice, this process
 def _stock_reference(spec, n, dtype) -> bool:
     """Time the stock head as the reference even over budget? On a GPU with room for it.
 
-    Not for a quantized head: MLX's quantized matmul was 3.3-3.9x slower
-    than every flash path on the H200, and a first run compiles its
-    kernels for ~56 s, a cost no reference is worth.
+    Not for a quantized head: MLX's quantized matmul was slower than every
+    flash path on the H200 and compiles its kernels for a long time on a
+    first run (flash-cce-h200.md), a cost no reference is worth.
     """
     if not _budget.is_async_gpu() or spec.kind == "quantized":
         return False
     return 0 < stock_bytes(n, spec.vocab, dtype) <= _budget.device_floor() // 3
+
+
+def _stock_verdict(spec, n, dtype, nbytes, include_stock) -> Tuple[bool, bool, Optional[str]]:
+    """``(stock within the shortlist, stock timed as a reference, why it is out)``."""
+    need = stock_bytes(n, spec.vocab, dtype)
+    if not include_stock:
+        return False, False, "stock: not asked for (flash paths only)"
+    if spec.kind == "quantized" and not _budget.is_async_gpu():
+        # MLX's CPU quantized_matmul is much slower than the dequantized BLAS
+        # blocks the pure-MLX path uses: timing it would cost more than it tells.
+        return False, False, "stock: not timed (MLX's quantized matmul is slow on the CPU)"
+    if need <= nbytes:
+        return True, False, None
+    why = f"stock: needs ~{_budget.format_size(need)}"
+    return False, _stock_reference(spec, n, dtype), why
+
+
+def shortlist(
+    spec, n, h, dtype, nbytes, include_stock, runnable
+) -> Tuple[List[Candidate], List[Candidate], List[str]]:
+    """``(candidates to time, those within the budget, why each other path is out)``."""
+    fits, reference, why_stock = _stock_verdict(spec, n, dtype, nbytes, include_stock)
+    cands = candidates(spec, n, fits or reference, runnable)
+    within, out = [], [why_stock] if why_stock else []
+    for c in cands:
+        if c.path is Path.STOCK:
+            continue
+        need = floor_bytes(c, n, h, dtype)
+        if need <= nbytes:
+            within.append(c)
+        else:
+            out.append(f"{c.label}: needs at least {_budget.format_size(need)}")
+    if fits:
+        within.insert(0, Candidate(Path.STOCK))
+    return cands, within, out
+
+
+def _what(spec, n, h, dtype, include_stock) -> str:
+    who = "flash-cce auto" if include_stock else "flash-cce auto (flash paths only)"
+    return f"{who}: [{n} tokens, V={spec.vocab}, H={h}, {_dtype(dtype)}, {head_kind(spec)} head]"
+
+
+def _only_line(what, only, out, nbytes) -> str:
+    """The line for a choice without a trial, with each other path's true reason."""
+    size = _budget.format_size(nbytes)
+    if all(": needs " in reason for reason in out):
+        where = f"the only path within the budget {size}"
+    else:
+        where = f"the only path left (budget {size})"
+    return f"{what}: {only.label} ({'; '.join([where] + out)}; no trial)"
+
+
+def _over_budget(what, nbytes, smallest, label="") -> Exception:
+    from mlx_lm_ext import PluginError
+
+    measured = " measured" if label else ""
+    return PluginError(
+        f"--cce-memory-budget {_budget.format_size(nbytes)} is below what any flash-cce path "
+        f"needs for a batch of {what.split(': ', 1)[1]}: the smallest{measured} is "
+        f"{_budget.format_size(smallest)}{f' ({label})' if label else ''}"
+    )
 
 
 def decide(
@@ -343,80 +418,56 @@ def decide(
     h: int,
     dtype: mx.Dtype,
     nbytes: int,
-    opts: _portable.Options,
     run_choice: Callable[..., mx.array],
     include_stock: bool,
     strict: bool = True,
+    runnable: Sequence[Path] = (Path.MLX,),
 ) -> Choice:
-    """This process's choice: the only candidate that fits, or a trial's winner.
+    """This process's choice: the only candidate left, or a trial's winner.
 
     ``strict``: the user set the budget, and a batch no path fits is an
     error; the default budget takes the path of least memory instead.
     """
-    from mlx_lm_ext import PluginError
-
-    why_not = f"the stock head needs ~{_budget.format_size(stock_bytes(n, spec.vocab, dtype))}"
-    if spec.kind == "quantized" and not _budget.is_async_gpu() and include_stock:
-        # MLX's CPU quantized_matmul is ~10x slower than the dequantized BLAS
-        # blocks the pure-MLX path uses: timing it would cost more than it tells.
-        include_stock = False
-        why_not = "MLX's quantized matmul is slow on the CPU, so the stock head is not timed"
-    fits_stock = include_stock and stock_bytes(n, spec.vocab, dtype) <= nbytes
-    cands = candidates(
-        spec, n, h, dtype, fits_stock or (include_stock and _stock_reference(spec, n, dtype))
-    )
-    within = [c for c in cands if c.impl != "stock" and floor_bytes(c, n, h, dtype) <= nbytes]
-    if fits_stock:
-        within.insert(0, Candidate("stock"))
-    what = f"[{n} tokens, V={spec.vocab}, H={h}, {_dtype(dtype)}, {head_kind(spec)} head]"
+    what = _what(spec, n, h, dtype, include_stock)
+    cands, within, out = shortlist(spec, n, h, dtype, nbytes, include_stock, runnable)
+    flash = [c for c in cands if c.path is not Path.STOCK]
     if not within and not strict:
-        within = [
-            min((c for c in cands if c.impl != "stock"), key=lambda c: floor_bytes(c, n, h, dtype))
-        ]
+        within = [min(flash, key=lambda c: floor_bytes(c, n, h, dtype))]
     if not within:
-        smallest = min(floor_bytes(c, n, h, dtype) for c in cands if c.impl != "stock")
-        raise PluginError(
-            f"--cce-memory-budget {_budget.format_size(nbytes)} is below what any flash-cce path "
-            f"needs for a batch of {what}: the smallest is {_budget.format_size(smallest)}"
-        )
-    if len(within) == 1 and not any(c.impl == "stock" for c in cands):
-        only = within[0]
-        line = (
-            f"flash-cce auto: {what}: {only.label} (the only path within the budget "
-            f"{_budget.format_size(nbytes)}; {why_not}; no trial)"
-        )
-        return Choice(only, 0.0, 0, line)
+        raise _over_budget(what, nbytes, min(floor_bytes(c, n, h, dtype) for c in flash))
+    if len(within) == 1 and not any(c.path is Path.STOCK for c in cands):
+        return Choice(within[0], 0.0, 0, _only_line(what, within[0], out, nbytes))
+    timed = [c for c in cands if c.path is Path.STOCK or c in within]
+    return _trial_choice(timed, spec, n, h, dtype, nbytes, run_choice, strict, what)
+
+
+def _trial_choice(cands, spec, n, h, dtype, nbytes, run_choice, strict, what) -> Choice:
+    """The fastest measured candidate within the budget, and the line that says so."""
     tic = time.perf_counter()
-    results, failed = trial(
-        [c for c in cands if c.impl == "stock" or c in within],
-        spec,
-        n,
-        h,
-        dtype,
-        nbytes,
-        run_choice,
-    )
+    results, failed = trial(cands, spec, n, h, dtype, nbytes, run_choice)
     spent = time.perf_counter() - tic
     fit = [r for r in results if r.peak <= nbytes]
     if not fit and results and not strict:
         fit = [min(results, key=lambda r: r.peak)]
-    if not fit:
-        if not results:  # every candidate failed: the default path, as without a trial
-            cand = Candidate("flash", "mlx")
-            log.warning(
-                "flash-cce auto: every candidate failed in the trial (%s); using %s",
-                ", ".join(c.label for c in failed),
-                cand.label,
-            )
-            return Choice(cand, 0.0, 0, "")
-        best = min(results, key=lambda r: r.peak)
-        raise PluginError(
-            f"--cce-memory-budget {_budget.format_size(nbytes)} is below what any flash-cce path "
-            f"needs for a batch of {what}: the smallest measured is "
-            f"{_budget.format_size(best.peak)} ({best.candidate.label})"
+    if not fit and not results:  # every candidate failed: the path that runs every call
+        cand = Candidate(Path.MLX)
+        log.warning(
+            "flash-cce auto: every candidate failed in the trial (%s); using %s",
+            ", ".join(c.label for c in failed),
+            cand.label,
         )
+        return Choice(cand, 0.0, 0, "")
+    if not fit:
+        best = min(results, key=lambda r: r.peak)
+        raise _over_budget(what, nbytes, best.peak, best.candidate.label)
     win = min(fit, key=lambda r: r.ms)
-    stock = next((r for r in results if r.candidate.impl == "stock"), None)
+    return Choice(
+        win.candidate, win.ms, win.peak, _trial_line(what, nbytes, results, failed, win, spent)
+    )
+
+
+def _trial_line(what, nbytes, results, failed, win, spent) -> str:
+    stock = next((r for r in results if r.candidate.path is Path.STOCK), None)
     tried = ", ".join(
         f"{r.candidate.label} {r.ms:.1f} ms/{r.peak / MIB:.0f} MiB"
         + (" (over budget)" if r.peak > nbytes else "")
@@ -424,10 +475,10 @@ def decide(
     )
     tried += "".join(f", {c.label} failed" for c in failed)
     line = (
-        f"flash-cce auto: {what}, budget {_budget.format_size(nbytes)}: tried {tried}; "
+        f"{what}, budget {_budget.format_size(nbytes)}: tried {tried}; "
         f"chose {win.candidate.label} ({win.ms:.1f} ms, {win.peak / MIB:.0f} MiB"
     )
-    if stock is not None and win.candidate.impl != "stock":
+    if stock is not None and win.candidate.path is not Path.STOCK:
         line += f", {win.ms / stock.ms:.2f}x stock's time"
     line += f"); trial {spent:.1f} s"
     if stock is not None and stock.peak > nbytes and win.ms > 1.5 * stock.ms:
@@ -435,10 +486,28 @@ def decide(
             f"; nothing within the budget is within 1.5x of stock's {stock.ms:.1f} ms "
             "(a larger --cce-memory-budget buys speed)"
         )
-    return Choice(win.candidate, win.ms, win.peak, line)
+    return line
 
 
 _DP = []  # the one choice of a data-parallel run
+
+
+def _rank0_choice(key, cands, decide_now) -> Choice:
+    """Rank 0's (or a lone process's) choice: its cache, else ``decide_now()`` (saved)."""
+    choice = _cached(key)
+    if choice is not None and choice.candidate not in cands + [Candidate(Path.MLX)]:
+        choice = None  # written by a version with other candidates
+    if choice is not None:
+        log.info(
+            "%s (cached)",
+            choice.line.split("; trial")[0] if choice.line else choice.candidate.label,
+        )
+        return choice
+    choice = decide_now()
+    if choice.line:
+        log.info(choice.line)
+        _save_cache(key, choice)
+    return choice
 
 
 def choose(
@@ -450,10 +519,14 @@ def choose(
     opts: _portable.Options,
     run_choice: Callable[..., mx.array],
     include_stock: bool = True,
+    runnable: Sequence[Path] = (Path.MLX,),
 ) -> Candidate:
-    """The path for this call: cached, or measured now.
+    """The path for this call: cached, or measured now (``selection.select`` is the caller).
 
-    ``nbytes``: the memory budget (None: ``budget.default_for`` the batch).
+    ``include_stock``: the request allows the stock head (``impl="auto"``)
+    or only flash paths (``impl="flash"``): each has its own cache entries.
+    ``runnable``: the flash paths that can run this call here. ``nbytes``:
+    the memory budget (None: ``budget.default_for`` the batch).
     Data-parallel runs decide once, on the first call (which every rank
     makes in step: the first validation batch or the first training step),
     and keep rank 0's choice for every later shape: ranks pad their batches
@@ -466,51 +539,28 @@ def choose(
     strict = nbytes is not None
     if nbytes is None:
         nbytes = _budget.default_for(stock_bytes(n, spec.vocab, dtype))
-    key = _key(spec, n, h, dtype, nbytes, opts)
+    request = REQUESTS[0] if include_stock else REQUESTS[1]
+    key = _key(spec, n, h, dtype, nbytes, opts, request)
     if key in _MEMORY:
         return _MEMORY[key].candidate
     group = ranks.group()
     if group is not None and _DP:
         return _DP[0]
-    cands = candidates(spec, n, h, dtype, include_stock)
     choice, error = None, None
     if ranks.rank() == 0:
-        choice = _cached(key)
-        if choice is not None and choice.candidate not in cands + [Candidate("flash", "mlx")]:
-            choice = None  # written by a version with other candidates
-        if choice is None:
-            try:
-                choice = decide(spec, n, h, dtype, nbytes, opts, run_choice, include_stock, strict)
-            except PluginError as e:
-                error = e
-            else:
-                if choice.line:
-                    log.info(choice.line)
-                    _save_cache(
-                        key,
-                        {
-                            "candidate": choice.candidate._asdict(),
-                            "ms": choice.ms,
-                            "peak": choice.peak,
-                            "line": choice.line,
-                            "mlx": mx.__version__,
-                            "device": device_name(),
-                        },
-                    )
-        else:
-            log.info(
-                "%s (cached)",
-                choice.line.split("; trial")[0] if choice.line else choice.candidate.label,
-            )
+
+        def decide_now():
+            return decide(spec, n, h, dtype, nbytes, run_choice, include_stock, strict, runnable)
+
+        try:
+            choice = _rank0_choice(key, candidates(spec, n, include_stock, runnable), decide_now)
+        except PluginError as e:
+            error = e
     if group is not None:
-        agreed = ranks.agree(
-            group, choice.candidate if choice is not None and error is None else None
-        )
+        agreed = ranks.agree(group, choice.candidate if choice is not None else None)
         if agreed is None:
-            raise (
-                error
-                if error is not None
-                else PluginError("flash-cce auto: rank 0 found no path within the memory budget")
+            raise error or PluginError(
+                "flash-cce auto: rank 0 found no path within the memory budget"
             )
         _DP.append(agreed)
         choice = Choice(agreed, 0.0, 0, "")

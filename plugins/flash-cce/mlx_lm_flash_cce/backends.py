@@ -1,126 +1,149 @@
-"""Backend dispatch: which implementation computes the per-token loss.
+"""The registry of paths: what each ``Path`` runs, where it runs and which calls it takes.
 
-A backend is ``per_token(head, hidden, targets, opts, train) -> [N] float32``
+A path is ``per_token(head, hidden, targets, opts, train) -> [N] float32``
 (``hidden`` ``[N, H]``, ``targets`` ``[N]`` in range, ``head`` a
-``heads.Head`` of kind dense or quantized, ``opts`` a
-``portable.Options``, ``train`` which head parts get gradients) with
-gradients for ``hidden`` and the head's trainable arrays. The public
-call's ``backend="auto"`` measures the candidates (``autotune``);
-``resolve("auto")`` here, the highest-priority available backend, serves
-what the trial does not cover (a ``vocab_chunk`` set by the caller, a head
-with a bias or LoRA, the gradient filters). The pure-MLX ``"mlx"`` backend
-runs everywhere.
+``heads.Head``, ``opts`` a ``portable.Options``, ``train`` which head parts
+get gradients) with gradients for ``hidden`` and the head's trainable
+arrays. Each entry also says whether the path runs on this machine
+(``available``) and why it cannot take a call (``refuses``: a reason, or
+None). A path never hands a call it refuses to another: choosing is
+``selection.select``'s job, the only reader of this registry.
 """
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import mlx.core as mx
 
-from . import cuda, cuda_gemm, heads, portable
+from . import cuda, cuda_gemm, heads, logits, portable
+from .candidate import FLASH, Path
 
-# The pure-MLX path's blocks on a GPU when the caller sets none: big enough
-# that the device is not launch-bound (measured on the H200,
-# benchmarks/results/flash-cce-h200.md).
+# The big-block paths' blocks when the caller sets none: big enough that a
+# GPU is not launch-bound (benchmarks/results/flash-cce-h200.md).
 GPU_TOKEN_CHUNK = 8192
 GPU_VOCAB_CHUNK = 32768
-BIG_BLOCK = 1 << 22  # token_chunk x vocab_chunk from which a GPU takes the one-pass big-block path
-
-_REGISTRY = {}
+BIG_BLOCK = 1 << 22  # token_chunk x vocab_chunk from which a GPU needs MLX's backpressure
 
 
-def register(
-    name: str,
-    per_token: Callable[..., mx.array],
-    *,
-    available: Callable[[], bool] = lambda: True,
-    priority: int = 0,
-    supports: Callable[[heads.Head, portable.Options], bool] = lambda head, opts: True,
-) -> None:
-    """Add a backend; ``supports(head, opts)`` can decline some heads/options."""
-    _REGISTRY[name] = {
-        "per_token": per_token,
-        "available": available,
-        "priority": priority,
-        "supports": supports,
-    }
+class Entry(NamedTuple):
+    per_token: Callable[..., mx.array]
+    available: Callable[[], bool]
+    refuses: Callable[[heads.Head, mx.array, portable.Options], Optional[str]]
 
 
-def names() -> List[str]:
-    return sorted(_REGISTRY, key=lambda n: -_REGISTRY[n]["priority"])
-
-
-def available() -> List[str]:
-    out = []
-    for name in names():
-        try:
-            if _REGISTRY[name]["available"]():
-                out.append(name)
-        except Exception:  # a backend probe that fails means "not here"
-            pass
-    return out
-
-
-def supports(name: str, head: heads.Head, opts: portable.Options) -> bool:
-    return _REGISTRY[name]["supports"](head, opts)
-
-
-def big_blocks(name: str, head: heads.Head, opts: portable.Options) -> bool:
-    """Does ``name`` run big blocks that need MLX's backpressure (``budget``) on this device?"""
-    if mx.default_device() != mx.gpu or not cuda_gemm.supports(head, opts):
-        return False
+def _blocks_refuse(head, hidden, opts):
+    """Why the one-pass big-block structure cannot take this call (None: it can)."""
+    if head.kind not in ("dense", "quantized"):
+        return f"a {head.kind} head (it needs a weight to slice)"
+    if head.bias is not None:
+        return "a head with an output bias"
+    if head.has_lora:
+        return "LoRA on the head"
     if opts.filter_eps is not None or opts.block_skip_eps is not None:
-        return False
-    return not opts.vocab_chunk or opts.token_chunk * opts.vocab_chunk >= BIG_BLOCK
+        return "the gradient filters (filter_eps / block_skip_eps)"
+    return None
 
 
-def mlx_per_token(
+def _flash_refuses(head, hidden, opts):
+    if head.kind == "module":
+        return (
+            f"a head given only as a callable ({type(head.module).__name__}) has no rows "
+            "to slice (use 'chunked' or 'auto')"
+        )
+    return None
+
+
+def _chunked_refuses(head, hidden, opts):
+    if not callable(head.module):
+        return "a head given as a weight array has no callable to run on chunks"
+    return None
+
+
+def _kernel_refuses(head, hidden, opts):
+    why = _blocks_refuse(head, hidden, opts)
+    if why is None and not cuda_gemm.on_cuda():
+        why = (
+            "no CUDA GPU as the default device ('mlx-blocks' runs the same blocks with MLX's step)"
+        )
+    if why is None and portable.compute_dtype(opts, hidden.dtype) not in cuda_gemm.KERNEL_DTYPES:
+        why = f"hidden dtype {hidden.dtype}"
+    if why is None and cuda_gemm.row_kernel() is None:
+        why = "its row kernel does not compile here (NVRTC not found)"
+    return why
+
+
+def _cuda_refuses(head, hidden, opts):
+    if not cuda.available():
+        return "no CUDA GPU as the default device"
+    return cuda.unsupported(head, hidden)
+
+
+def mlx_blocks_per_token(
     head: heads.Head,
     hidden: mx.array,
     targets: mx.array,
     opts: portable.Options,
     train: Optional[Dict[str, bool]] = None,
 ) -> mx.array:
-    """The pure-MLX backend (MLX operations only, the path every GPU has).
+    """Path ``mlx-blocks``: ``cuda_gemm``'s one pass with its compiled MLX step (no kernel).
 
-    On the CPU: ``portable`` (small blocks; the CPU allocates only a few
-    operations ahead). On a GPU: one pass in big blocks through
-    ``cuda_gemm``'s structure with its compiled MLX step (no custom
-    kernel), so that the device is not launch-bound: 8192 x 32768 blocks
-    unless the caller sets ``vocab_chunk``. Heads with a bias or LoRA and
-    the gradient filters stay on ``portable`` everywhere.
+    8192 x 32768 blocks unless the caller sets ``vocab_chunk``;
+    ``opts.elementwise="mlx-f32"`` takes the float32 variant of the step.
     """
-    if not big_blocks("mlx", head, opts):
-        return portable.per_token(head, hidden, targets, opts, train)
     if not opts.vocab_chunk:
         opts = opts._replace(token_chunk=GPU_TOKEN_CHUNK, vocab_chunk=GPU_VOCAB_CHUNK)
-    if opts.elementwise not in ("mlx", "mlx-f32"):
-        opts = opts._replace(elementwise="mlx")
-    return cuda_gemm.per_token(head, hidden, targets, opts, train)
+    step = "mlx-f32" if opts.elementwise == "mlx-f32" else "mlx"
+    return cuda_gemm.per_token(head, hidden, targets, opts._replace(elementwise=step), train)
 
 
-def resolve(name: str, head: heads.Head, opts: portable.Options) -> Callable[..., mx.array]:
-    """The ``per_token`` function for ``name`` (or the best for ``"auto"``)."""
-    if name != "auto":
-        if name not in _REGISTRY:
-            raise ValueError(f"unknown flash-cce backend {name!r} (have: {', '.join(names())})")
-        if name not in available():
-            raise ValueError(f"flash-cce backend {name!r} is not available on this machine")
-        return _REGISTRY[name]["per_token"]
-    for candidate in available():
-        entry = _REGISTRY[candidate]
-        if entry["supports"](head, opts):
-            return entry["per_token"]
-    raise ValueError("no flash-cce backend supports this head")  # "mlx" supports all
+def cuda_gemm_per_token(
+    head: heads.Head,
+    hidden: mx.array,
+    targets: mx.array,
+    opts: portable.Options,
+    train: Optional[Dict[str, bool]] = None,
+) -> mx.array:
+    """Path ``cuda-gemm``: the big blocks with the CUDA row kernel (8192 x 8192 by default)."""
+    return cuda_gemm.per_token(head, hidden, targets, opts._replace(elementwise="kernel"), train)
 
 
-register("mlx", mlx_per_token, priority=0)
-register("cuda", cuda.per_token, available=cuda.available, priority=10, supports=cuda.supports)
-# Big cuBLAS blocks (``cuda_gemm``): runs anywhere; ``auto`` reaches it
-# through its trial (``autotune``), never by priority.
-register(
-    "cuda-gemm",
-    cuda_gemm.per_token,
-    available=cuda_gemm.available,
-    priority=-1,
-    supports=cuda_gemm.supports,
-)
+_always = lambda: True  # noqa: E731
+
+REGISTRY: Dict[Path, Entry] = {
+    Path.STOCK: Entry(logits.stock_path, _always, lambda head, hidden, opts: None),
+    Path.CHUNKED: Entry(logits.chunked_path, _always, _chunked_refuses),
+    Path.MLX: Entry(portable.per_token, _always, _flash_refuses),
+    Path.MLX_BLOCKS: Entry(mlx_blocks_per_token, _always, _blocks_refuse),
+    Path.CUDA_GEMM: Entry(cuda_gemm_per_token, cuda_gemm.on_cuda, _kernel_refuses),
+    Path.CUDA: Entry(cuda.per_token, cuda.available, _cuda_refuses),
+}
+
+
+def names() -> List[str]:
+    """Every flash path's name (what ``--cce-backend`` takes besides ``auto``)."""
+    return [p.value for p in FLASH]
+
+
+def available() -> List[str]:
+    """The flash paths this machine runs at all (a call may still be refused)."""
+    out = []
+    for path in FLASH:
+        try:
+            if REGISTRY[path].available():
+                out.append(path.value)
+        except Exception:  # noqa: BLE001 (a probe that fails means "not here")
+            pass
+    return out
+
+
+def refuses(
+    path: Path, head: heads.Head, hidden: mx.array, opts: portable.Options
+) -> Optional[str]:
+    """Why ``path`` cannot run this call here (None: it can)."""
+    entry = REGISTRY[path]
+    if path.value not in available() and path in FLASH:
+        return entry.refuses(head, hidden, opts) or "not available on this machine"
+    return entry.refuses(head, hidden, opts)
+
+
+def per_token(path: Path) -> Callable[..., mx.array]:
+    return REGISTRY[path].per_token

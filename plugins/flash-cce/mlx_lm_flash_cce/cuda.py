@@ -16,8 +16,9 @@ Dense bf16/fp16 heads are read with ``cp.async``; affine 4/8-bit heads
 kernels. The loss-head memory is the float32 hidden gradient (``N x H``)
 plus its cast, against four ``[N, V]`` arrays for the stock loss.
 
-Everything else falls back to the pure-MLX backend (``portable``) with a
-debug log line: float32 or mixed dtypes, heads with an output bias or LoRA,
+Everything else is refused (``unsupported`` says why; ``selection.select``
+then picks another path, or reports the reason when the path was asked
+for): float32 or mixed dtypes, heads with an output bias or LoRA,
 mxfp/nvfp quantization, hidden sizes that are not a multiple of 64. A dense
 head whose weight is trainable gets its gradient from the pure-MLX sweep
 (built lazily: it costs nothing unless that gradient is asked for).
@@ -295,11 +296,10 @@ def per_token(
     opts: portable.Options,
     train: Optional[Dict[str, bool]] = None,
 ) -> mx.array:
-    """Backend entry (see ``backends``): the kernels, or the pure-MLX path."""
+    """Path ``cuda`` (see ``backends``): the kernels; a call they cannot take is an error."""
     reason = unsupported(head, hidden, train)
     if reason is not None:
-        log.debug("flash-cce cuda backend: %s; using the pure-MLX path", reason)
-        return portable.per_token(head, hidden, targets, opts, train)
+        raise ValueError(f"flash-cce path 'cuda' cannot take this call: {reason}")
     names, values = _heads.head_arrays(head)
     train = train or {}
     cfg = Config(
@@ -315,7 +315,7 @@ def per_token(
 
 
 def plan(head: Any, hidden: mx.array, train: Optional[Dict[str, bool]] = None) -> str:
-    """``"cuda"`` or the reason for the pure-MLX fallback (for tests and logs)."""
+    """``"cuda"`` or the reason the kernels refuse the call (for tests and logs)."""
     if not available():
         return "no CUDA GPU as the default device"
     return (

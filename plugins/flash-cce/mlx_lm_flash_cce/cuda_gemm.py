@@ -1,8 +1,9 @@
-"""The ``cuda-gemm`` backend: big blocks, both products through ``mx.matmul``.
+"""The big-block paths ``cuda-gemm`` and ``mlx-blocks``: both products through ``mx.matmul``.
 
-The fused ``cuda`` kernels do three GEMM-sized passes with ``mma.sync``
-(~240 TFLOP/s); the stock loss does two through cuBLAS (650-790 TFLOP/s on
-an H200). This backend keeps cuBLAS for both products and bounds memory by
+The fused ``cuda`` kernels do three GEMM-sized passes with ``mma.sync``,
+slower than cuBLAS's ``wgmma`` on Hopper; the stock loss does two through
+cuBLAS (throughputs in benchmarks/results/flash-cce-h200.md). These paths
+keep cuBLAS for both products and bound memory by
 working in ``[token_chunk, vocab_chunk]`` blocks (default 8192 x 8192),
 in one pass with online rescaling (as ``portable`` does):
 
@@ -35,7 +36,7 @@ backend allocates only ~100 operations ahead and needs nothing.
 
 Heads: dense (any float dtype) and quantized (rows dequantized per vocab
 block, then the same dense GEMMs). Heads with an output bias or LoRA, and
-callables, go to the pure-MLX backend. A trainable dense weight gets its
+callables, are refused (path ``mlx`` takes them). A trainable dense weight gets its
 gradient from the pure-MLX second sweep inside the VJP (lazy: free when the
 head is frozen). ``with_grad=False`` (loss only) skips ``P @ W``; a gradient
 asked for anyway then takes the pure-MLX sweep with this backend's blocks.
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 TOKEN_CHUNK = 8192  # used unless the caller sets vocab_chunk (then token_chunk, vocab_chunk)
 VOCAB_CHUNK = 8192
 ELEMENTWISE = ("auto", "kernel", "mlx", "mlx-f32")
+KERNEL_DTYPES = (mx.bfloat16, mx.float16, mx.float32)  # the row kernel's logits
 
 
 def available() -> bool:
@@ -301,6 +303,11 @@ def blocks(opts: portable.Options, n_tok: int, vocab: int) -> Tuple[int, int]:
     return max(1, min(nc, n_tok)), max(1, min(vc, vocab))
 
 
+def row_kernel() -> Optional[bytes]:
+    """The row kernel's cubin for this GPU (None: NVRTC is not found or fails)."""
+    return _rowk.row_kernel()
+
+
 def use_kernel(opts: portable.Options, dtype: mx.Dtype) -> bool:
     """The CUDA row kernel for the elementwise step? (``opts.elementwise``: auto/kernel/mlx)."""
     how = getattr(opts, "elementwise", None) or "auto"
@@ -308,12 +315,12 @@ def use_kernel(opts: portable.Options, dtype: mx.Dtype) -> bool:
         raise ValueError(f"elementwise must be one of {', '.join(ELEMENTWISE)}, got {how!r}")
     if how in ("mlx", "mlx-f32"):
         return False
-    ok = on_cuda() and dtype in (mx.bfloat16, mx.float16, mx.float32)
+    ok = on_cuda() and dtype in KERNEL_DTYPES
     if how == "kernel" and not ok:
         raise ValueError(
             "elementwise='kernel' needs MLX's CUDA backend with a GPU as the default device"
         )
-    if ok and _rowk.row_kernel() is None:  # no NVRTC here: the compiled MLX step
+    if ok and row_kernel() is None:  # no NVRTC here: the compiled MLX step
         if how == "kernel":
             raise ValueError("elementwise='kernel': the row kernel does not compile here (NVRTC)")
         return False
@@ -327,19 +334,16 @@ def per_token(
     opts: portable.Options,
     train: Optional[Dict[str, bool]] = None,
 ) -> mx.array:
-    """Backend entry (see ``backends``): big cuBLAS blocks, or the pure-MLX path."""
-    if not supports(head, opts):
-        log.debug(
-            "flash-cce cuda-gemm backend: %s head%s; using the pure-MLX path",
-            head.kind,
-            " with bias or LoRA" if head.kind != "module" else "",
+    """Paths ``cuda-gemm`` and ``mlx-blocks`` (``backends``): big blocks, one pass.
+
+    The step is ``opts.elementwise``'s (``backends`` sets it per path). A
+    head or option the blocks cannot take is an error, never another path.
+    """
+    if not supports(head, opts) or opts.filter_eps is not None or opts.block_skip_eps is not None:
+        raise ValueError(
+            "the big-block paths take dense or quantized heads without an output bias or "
+            "LoRA and no gradient filters; path 'mlx' takes the rest"
         )
-        return portable.per_token(head, hidden, targets, opts, train)
-    if opts.filter_eps is not None or opts.block_skip_eps is not None:
-        log.debug(
-            "flash-cce cuda-gemm backend: gradient filters are not supported; using the pure-MLX path"
-        )
-        return portable.per_token(head, hidden, targets, opts, train)
     names, values = _heads.head_arrays(head)
     nc, vc = blocks(opts, hidden.shape[0], head.vocab)
     cd = portable.compute_dtype(opts, hidden.dtype)

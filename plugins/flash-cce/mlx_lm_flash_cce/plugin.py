@@ -4,7 +4,7 @@ Flags (lora; all default to None so a YAML config can set them, the real
 defaults are applied in ``activate``):
 
 ``--cce-impl``          auto | flash | stock | chunked (default auto)
-``--cce-backend``       auto or a backend name (default auto)
+``--cce-backend``       the flash path: auto, mlx, mlx-blocks, cuda-gemm or cuda (default auto)
 ``--cce-token-chunk``   tokens per pass (default 256)
 ``--cce-vocab-chunk``   vocabulary rows per block (default: 2**18 / token chunk)
 ``--cce-filter-eps``    approximate: skip gradient tiles below eps (default off)
@@ -109,7 +109,8 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         "--cce-backend",
         default=None,
         metavar="NAME",
-        help="loss backend: auto or a registered name, e.g. mlx (default auto)",
+        help="the flash path when one runs: auto (measured) or mlx, mlx-blocks, cuda-gemm, "
+        "cuda (default auto; see selection.select)",
     )
     group.add_argument(
         "--cce-token-chunk",

@@ -1,16 +1,16 @@
 """Data-parallel runs: every rank takes rank 0's choice, through one ``all_sum``.
 
-A candidate travels as six integers (its fields), so the ranks never need
-the same list of candidates to agree on one.
+A candidate travels as five integers (its fields, the path by its place in
+``Path``), so the ranks never need the same list of candidates to agree on one.
 """
 
 from typing import Any, Optional
 
 import mlx.core as mx
 
-from .candidate import Candidate
+from .candidate import Candidate, Path
 
-_BACKENDS = ("", "mlx", "cuda-gemm", "cuda")  # how a candidate travels between ranks
+_PATHS = list(Path)  # how a candidate's path travels between ranks
 
 
 def group() -> Optional[Any]:
@@ -23,10 +23,9 @@ def group() -> Optional[Any]:
 
 def encode(cand: Optional[Candidate]) -> list:
     if cand is None:
-        return [-1, 0, 0, 0, 0, 0]
+        return [-1, 0, 0, 0, 0]
     return [
-        int(cand.impl == "flash"),
-        _BACKENDS.index(cand.backend),
+        _PATHS.index(cand.path),
         cand.token_chunk,
         cand.vocab_chunk,
         cand.limit_mib,
@@ -37,19 +36,12 @@ def encode(cand: Optional[Candidate]) -> list:
 def decode(code: list) -> Optional[Candidate]:
     if code[0] < 0:
         return None
-    return Candidate(
-        "flash" if code[0] else "stock",
-        _BACKENDS[code[1]],
-        code[2],
-        code[3],
-        code[4],
-        bool(code[5]),
-    )
+    return Candidate(_PATHS[code[0]], code[1], code[2], code[3], bool(code[4]))
 
 
 def agree(g: Any, cand: Optional[Candidate]) -> Optional[Candidate]:
     """Rank 0's candidate on every rank (None: rank 0 found none)."""
-    mine = encode(cand) if g.rank() == 0 else [0] * 6
+    mine = encode(cand) if g.rank() == 0 else [0] * 5
     total = mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=g)
     mx.eval(total)
     return decode([int(x) for x in total.tolist()])

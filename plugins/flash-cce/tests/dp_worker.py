@@ -18,6 +18,7 @@ rank = group.rank()
 os.environ["MLX_LM_FLASH_CCE_CACHE"] = os.path.join(tmp, f"rank{rank}")
 
 from mlx_lm_flash_cce import autotune, heads, linear_cross_entropy, portable  # noqa: E402
+from mlx_lm_flash_cce.candidate import Candidate, Choice, Path  # noqa: E402
 
 lines = []
 
@@ -37,19 +38,9 @@ weight = mx.random.normal((v, h), key=k2) * h**-0.5
 targets = mx.random.randint(0, v, (n,), key=k3)
 budget = 1 << 30
 key = autotune._key(heads.as_head(weight), n, h, hidden.dtype, budget, portable.Options())
-other = autotune.Candidate("stock")
+other = Candidate(Path.STOCK)
 if rank == 1:  # a choice this rank made on its own earlier
-    autotune._save_cache(
-        key,
-        {
-            "candidate": other._asdict(),
-            "ms": 1.0,
-            "peak": 1,
-            "line": "",
-            "mlx": mx.__version__,
-            "device": autotune.device_name(),
-        },
-    )
+    autotune._save_cache(key, Choice(other, 1.0, 1, ""))
 own = autotune._cached(key)
 
 if rank == 0:
@@ -58,7 +49,7 @@ if rank == 0:
 
     def measure(run, cand, hidden):
         r = real(run, cand, hidden)
-        return r._replace(ms=r.ms * (100 if cand.impl == "stock" else 1))
+        return r._replace(ms=r.ms * (100 if cand.path is Path.STOCK else 1))
 
     autotune._measure = measure
 

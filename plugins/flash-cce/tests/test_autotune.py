@@ -20,6 +20,8 @@ import pytest
 
 from mlx_lm_ext import PluginError
 from mlx_lm_flash_cce import autotune, backends, budget, linear_cross_entropy, plugin
+from mlx_lm_flash_cce.candidate import Candidate
+from mlx_lm_flash_cce.candidate import Path as P
 
 HERE = Path(__file__).parent
 # The candidates and floors these tests name are the CPU's (a GPU measures more paths).
@@ -155,9 +157,9 @@ def test_auto_trial_picks_the_fastest_within_budget_and_caches_it(caplog, monkey
     chosen = lines[0].split("chose ")[1].split(" (")[0]
     assert chosen == min(times, key=times.get)
     data = json.loads(autotune.cache_path().read_text())
-    (entry,) = data["choices"].values()
+    ((key, entry),) = data["choices"].items()
     assert entry["mlx"] == mx.__version__ and entry["device"] == autotune.device_name()
-    assert autotune.Candidate(**entry["candidate"]).label == chosen
+    assert autotune._cached(key).candidate.label == chosen
     # a new process (empty memory) reuses the disk cache: no second trial
     autotune._MEMORY.clear()
     caplog.clear()
@@ -190,30 +192,28 @@ def test_a_failing_candidate_is_dropped_and_training_goes_on(caplog, monkeypatch
     def broken(head, hidden, targets, opts, train=None):
         raise RuntimeError("[malloc] Unable to allocate 1099511627776 bytes")
 
-    backends.register("broken-test", broken, priority=-100)
+    entry = backends.REGISTRY[P.MLX_BLOCKS]
+    monkeypatch.setitem(backends.REGISTRY, P.MLX_BLOCKS, entry._replace(per_token=broken))
     real = autotune.candidates
     monkeypatch.setattr(
         autotune,
         "candidates",
-        lambda *a, **k: real(*a, **k) + [autotune.Candidate("flash", "broken-test", 512, 1024)],
+        lambda *a, **k: real(*a, **k) + [Candidate(P.MLX_BLOCKS, 512, 1024)],
     )
-    try:
-        hidden, weight, targets = _case()
-        with caplog.at_level(logging.DEBUG, logger="mlx_lm_flash_cce"):
-            value, grad = _loss_and_grad(
-                lambda x: linear_cross_entropy(x, weight, targets, memory_budget="1G"), hidden
-            )
-        want, want_grad = _loss_and_grad(lambda x: _stock(x, weight, targets), hidden)
-        assert abs(value.item() - want.item()) < 1e-4 and mx.allclose(grad, want_grad, atol=1e-5)
-        messages = [r.getMessage() for r in caplog.records]
-        assert any(
-            "broken-test 512x1024 failed in the trial (RuntimeError" in m and "dropped" in m
-            for m in messages
+    hidden, weight, targets = _case()
+    with caplog.at_level(logging.DEBUG, logger="mlx_lm_flash_cce"):
+        value, grad = _loss_and_grad(
+            lambda x: linear_cross_entropy(x, weight, targets, memory_budget="1G"), hidden
         )
-        line = next(m for m in messages if m.startswith("flash-cce auto:") and "chose" in m)
-        assert "broken-test 512x1024 failed" in line and "chose broken-test" not in line
-    finally:
-        backends._REGISTRY.pop("broken-test")
+    want, want_grad = _loss_and_grad(lambda x: _stock(x, weight, targets), hidden)
+    assert abs(value.item() - want.item()) < 1e-4 and mx.allclose(grad, want_grad, atol=1e-5)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        "mlx-blocks 512x1024 failed in the trial (RuntimeError" in m and "dropped" in m
+        for m in messages
+    )
+    line = next(m for m in messages if m.startswith("flash-cce auto:") and "chose" in m)
+    assert "mlx-blocks 512x1024 failed" in line and "chose mlx-blocks" not in line
 
 
 @cpu_only
@@ -230,10 +230,74 @@ def test_only_one_path_within_the_default_budget_runs_no_trial(caplog, monkeypat
 def test_forced_backend_skips_the_trial(monkeypatch):
     hidden, weight, targets = _case()
     monkeypatch.setattr(autotune, "trial", lambda *a, **k: pytest.fail("no trial expected"))
-    for backend in ("mlx", "cuda-gemm"):
+    for backend in ("mlx", "mlx-blocks"):
         value = linear_cross_entropy(hidden, weight, targets, backend=backend, memory_budget="1G")
         assert abs(value.item() - _stock(hidden, weight, targets).item()) < 1e-4
     assert not autotune.cache_path().exists()
+
+
+def _auto_lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("flash-cce auto")]
+
+
+def test_a_flash_only_run_never_feeds_auto(caplog, monkeypatch):
+    """``impl="flash"`` then ``impl="auto"`` (same process, then a new one): auto measures."""
+    hidden, weight, targets = _case()  # the stock head needs ~188M: within the 1G budget
+    trials = []
+    real_trial = autotune.trial
+    monkeypatch.setattr(autotune, "trial", lambda *a, **k: trials.append(1) or real_trial(*a, **k))
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        linear_cross_entropy(hidden, weight, targets, impl="flash", memory_budget="1G")
+    (forced,) = _auto_lines(caplog)
+    # true reasons: stock fits the budget, the request left it out
+    assert "the only path within the budget" not in forced
+    assert "stock: not asked for (flash paths only)" in forced and "no trial" in forced
+    for fresh in (False, True):
+        if fresh:  # a new process: only the disk cache is left
+            autotune._MEMORY.clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+            value = linear_cross_entropy(hidden, weight, targets, memory_budget="1G")
+        assert abs(value.item() - _stock(hidden, weight, targets).item()) < 1e-4
+        (line,) = _auto_lines(caplog)
+        # one trial, auto's own; the new process reuses that decision from the disk cache
+        assert trials == [1] and "tried stock" in line and ("(cached)" in line) == fresh
+    # the flash-only request keeps its own decision too
+    autotune._MEMORY.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        linear_cross_entropy(hidden, weight, targets, impl="flash", memory_budget="1G")
+    (again,) = _auto_lines(caplog)
+    assert trials == [1] and "(cached)" in again and "stock: not asked for" in again
+
+
+@cpu_only
+def test_the_only_path_line_gives_each_other_paths_true_reason(caplog):
+    """A quantized head on the CPU: stock fits the budget but is not timed; the line says so."""
+    hidden, weight, targets = _case(n=256, v=2048, h=64)
+    layer = nn.QuantizedLinear(64, 2048, bias=False, group_size=32, bits=8)
+    layer.weight, layer.scales, layer.biases = mx.quantize(weight, group_size=32, bits=8)
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        linear_cross_entropy(hidden, layer, targets, memory_budget="1G")
+    (line,) = _auto_lines(caplog)
+    assert ": mlx (the only path left (budget 1G); stock: not timed" in line
+    assert "within the budget" not in line
+
+
+def test_a_named_path_runs_itself_or_says_why_not():
+    hidden, weight, targets = _case(n=64)
+    lin = nn.Linear(64, 3000, bias=True)
+    for impl, backend in (("flash", "mlx-blocks"), ("auto", "mlx-blocks")):
+        with pytest.raises(PluginError, match="'mlx-blocks' cannot run this call here"):
+            linear_cross_entropy(
+                hidden, lin, targets, impl=impl, backend=backend, min_flash_elements=0
+            )
+    with pytest.raises(
+        PluginError, match="'chunked' cannot run this call here: a head given as a weight array"
+    ):
+        linear_cross_entropy(hidden, weight, targets, impl="chunked")
+    with pytest.raises(ValueError, match="unknown flash-cce path 'metal'"):
+        linear_cross_entropy(hidden, weight, targets, backend="metal")
 
 
 # ---------------------------------------------------------- data parallel
@@ -287,19 +351,19 @@ def test_ranks_agree_on_auto_choice(tmp_path):
 
 
 def test_a_fitting_big_block_path_spares_the_trials_it_dominates(monkeypatch):
-    C = autotune.Candidate
+    C = Candidate
     big, small = (
-        C("flash", "cuda-gemm", 8192, 16384, 1024),
-        C("flash", "cuda-gemm", 2048, 8192, 128),
+        C(P.CUDA_GEMM, 8192, 16384, 1024),
+        C(P.CUDA_GEMM, 2048, 8192, 128),
     )
-    mlx_big = C("flash", "mlx", 8192, 16384, 1024)
+    mlx_big = C(P.MLX_BLOCKS, 8192, 16384, 1024)
     assert autotune.dominates(big, small) and autotune.dominates(big, mlx_big)
     assert not autotune.dominates(small, big) and not autotune.dominates(mlx_big, big)
     assert not autotune.dominates(mlx_big, small)  # another step at other blocks: measured
     # ... but blocks 16x the size win whatever the step (measured on the H200)
-    assert autotune.dominates(C("flash", "mlx", 8192, 32768, 1024), small)
-    assert not autotune.dominates(small, C("flash", "mlx", 8192, 32768, 1024))
-    assert not autotune.dominates(C("stock"), small)
+    assert autotune.dominates(C(P.MLX_BLOCKS, 8192, 32768, 1024), small)
+    assert not autotune.dominates(small, C(P.MLX_BLOCKS, 8192, 32768, 1024))
+    assert not autotune.dominates(C(P.STOCK), small)
 
     peaks = {big: 100 << 20, small: 50 << 20, mlx_big: 60 << 20}
     timed = []

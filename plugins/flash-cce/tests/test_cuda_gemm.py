@@ -1,19 +1,22 @@
-"""The ``cuda-gemm`` backend (big cuBLAS blocks, one pass) against mlx's stock loss.
+"""The big-block paths (``cuda-gemm``, ``mlx-blocks``: one pass in big blocks) against mlx's stock loss.
 
-Everything except the CUDA row kernel runs on any device: on the CPU the
-elementwise step is the compiled MLX function. The row kernel is compared
-with that MLX function where MLX's CUDA backend has a GPU (skipped
-elsewhere, with the reason).
+Everything except the CUDA row kernel runs on any device: ``BLOCKS`` is
+``cuda-gemm`` (the row kernel) where MLX's CUDA backend has a GPU and
+``mlx-blocks`` (the compiled MLX step) elsewhere. The row kernel is
+compared with that MLX function where MLX's CUDA backend has a GPU
+(skipped elsewhere, with the reason).
 """
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from mlx_lm_ext import PluginError
 from mlx_lm_flash_cce import backends, cuda_gemm, linear_cross_entropy, portable
 from mlx_lm_flash_cce.rows import kernel_step
 
 FROZEN = {"weight": False}
+BLOCKS = "cuda-gemm" if cuda_gemm.on_cuda() else "mlx-blocks"
 
 
 def case(n, v, h, dtype, seed=0):
@@ -46,10 +49,10 @@ def reference(hidden, weight, targets, softcap=None, logit_scale=None, ignore_in
     return mx.value_and_grad(f)(hidden.astype(mx.float32))
 
 
-def flash(hidden, head, targets, **kw):
+def flash(hidden, head, targets, path=BLOCKS, **kw):
     kw.setdefault("train", FROZEN)
     return mx.value_and_grad(
-        lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend="cuda-gemm", **kw)
+        lambda x: linear_cross_entropy(x, head, targets, impl="flash", backend=path, **kw)
     )(hidden)
 
 
@@ -70,7 +73,7 @@ def tol(dtype):
 @pytest.mark.parametrize(
     "n,v,h,blocks",
     [
-        (1, 300, 64, (256, 0)),  # one token, default 8192 x 8192 blocks (clamped)
+        (1, 300, 64, (256, 0)),  # one token, the path's default blocks (clamped)
         (77, 1003, 96, (32, 256)),  # ragged token and vocab chunks
         (300, 5003, 128, (128, 1000)),  # vocab chunk not a multiple of anything
         (513, 2049, 64, (8192, 8192)),  # one block
@@ -138,7 +141,7 @@ def test_trainable_weight_and_loss_only_paths():
             w,
             targets,
             impl="flash",
-            backend="cuda-gemm",
+            backend=BLOCKS,
             token_chunk=32,
             vocab_chunk=256,
             with_grad=with_grad,
@@ -163,7 +166,7 @@ def test_compiled_matches_eager():
             weight,
             targets,
             impl="flash",
-            backend="cuda-gemm",
+            backend=BLOCKS,
             token_chunk=64,
             vocab_chunk=256,
             train=FROZEN,
@@ -175,31 +178,42 @@ def test_compiled_matches_eager():
     assert rel_err(compiled[1], eager[1]) <= 1e-6
 
 
-def test_backend_is_selectable_but_never_auto():
-    assert "cuda-gemm" in backends.available()
-    spec = portable.Options()
-    from mlx_lm_flash_cce import heads
-
-    head = heads.as_head(mx.zeros((10, 8)))
-    assert backends.resolve("cuda-gemm", head, spec) is cuda_gemm.per_token
-    assert backends.resolve("auto", head, spec) is not cuda_gemm.per_token
-
-
-def test_unsupported_options_fall_back_and_bad_elementwise_is_an_error():
+def test_the_big_block_paths_are_named_and_never_run_another():
+    assert "mlx-blocks" in backends.available()
+    assert ("cuda-gemm" in backends.available()) == cuda_gemm.on_cuda()
     hidden, weight, targets = case(40, 300, 64, mx.float32, seed=6)
     lin = nn.Linear(64, 300, bias=True)
     lin.weight = weight
+    # a head the blocks cannot take is an error naming why, never another path
+    with pytest.raises(
+        PluginError, match="'mlx-blocks' cannot run this call here: a head with an output bias"
+    ):
+        linear_cross_entropy(hidden, lin, targets, impl="flash", backend="mlx-blocks")
+    with pytest.raises(PluginError, match="gradient filters"):
+        linear_cross_entropy(
+            hidden, weight, targets, impl="flash", backend="mlx-blocks", filter_eps=1e-4
+        )
     ref = nn.losses.cross_entropy(lin(hidden), targets).mean()
-    got = linear_cross_entropy(
-        hidden, lin, targets, impl="flash", backend="cuda-gemm"
-    )  # bias: pure-MLX path
+    got = linear_cross_entropy(hidden, lin, targets, impl="flash", backend="mlx")
     assert rel_err(got, ref) <= 1e-5
+
+
+def test_elementwise_maps_onto_the_paths():
+    hidden, weight, targets = case(40, 300, 64, mx.float32, seed=6)
+    want = linear_cross_entropy(hidden, weight, targets, impl="flash", backend="mlx-blocks")
+    for ew in ("mlx", "mlx-f32"):  # the deprecated spelling of mlx-blocks (and its f32 step)
+        got = linear_cross_entropy(
+            hidden, weight, targets, impl="flash", backend="cuda-gemm", elementwise=ew
+        )
+        assert rel_err(got, want) <= 1e-5
     with pytest.raises(ValueError, match="elementwise"):
         linear_cross_entropy(
             hidden, weight, targets, impl="flash", backend="cuda-gemm", elementwise="fused"
         )
+    with pytest.raises(ValueError, match="does not apply"):
+        linear_cross_entropy(hidden, weight, targets, impl="flash", elementwise="kernel")
     if not cuda_gemm.on_cuda():
-        with pytest.raises(ValueError, match="CUDA"):
+        with pytest.raises(PluginError, match="'cuda-gemm' cannot run this call here: no CUDA GPU"):
             linear_cross_entropy(
                 hidden, weight, targets, impl="flash", backend="cuda-gemm", elementwise="kernel"
             )
@@ -266,8 +280,8 @@ def test_row_kernel_matches_mlx_step(rows, cols, dtype, opts):
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
 def test_kernel_and_mlx_elementwise_agree(dtype):
     hidden, weight, targets = case(1000, 20000, 256, dtype, seed=7)
-    a = flash(hidden, weight, targets, token_chunk=512, vocab_chunk=4096, elementwise="kernel")
-    b = flash(hidden, weight, targets, token_chunk=512, vocab_chunk=4096, elementwise="mlx")
+    a = flash(hidden, weight, targets, "cuda-gemm", token_chunk=512, vocab_chunk=4096)
+    b = flash(hidden, weight, targets, "mlx-blocks", token_chunk=512, vocab_chunk=4096)
     ref_loss, ref_dh = reference(hidden, weight, targets)
     assert rel_err(a[0], b[0]) <= 1e-3  # the MLX step's bf16/fp16 block sums: lse to ~2^-9 relative
     assert rel_err(a[1], b[1]) <= 2e-2

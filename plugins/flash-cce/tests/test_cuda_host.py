@@ -13,7 +13,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlx_lm_flash_cce import backends, cuda, heads, portable
+from mlx_lm_ext import PluginError
+from mlx_lm_flash_cce import backends, cuda, heads, linear_cross_entropy, portable, selection
+from mlx_lm_flash_cce.candidate import Path
 
 
 def _dense(vals, quantized, h):
@@ -160,7 +162,8 @@ def test_cpu_never_picks_the_kernels():
     assert "cuda" in backends.names() and "cuda" not in backends.available()
     hidden, head, targets = _case(8, 100, 128)
     opts = portable.Options()
-    assert backends.resolve("auto", head, opts) is backends.mlx_per_token
-    with pytest.raises(ValueError, match="not available"):
-        backends.resolve("cuda", head, opts)
+    plan = selection.select(selection.request("flash"), head, hidden, None, opts)
+    assert plan.path is Path.MLX
+    with pytest.raises(PluginError, match="'cuda' cannot run this call here: no CUDA GPU"):
+        linear_cross_entropy(hidden, head.weight, targets, impl="flash", backend="cuda")
     assert cuda.plan(head, hidden) == "no CUDA GPU as the default device"

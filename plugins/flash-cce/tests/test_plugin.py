@@ -91,6 +91,7 @@ def test_doctor_reports_backend_and_probe():
     lines = dict(plugin.doctor())
     from mlx_lm_flash_cce import cuda
 
-    # cuda-gemm (pure MLX + an optional CUDA kernel) is available everywhere, picked only by name
-    assert lines["backends"] == ("cuda, mlx, cuda-gemm" if cuda.available() else "mlx, cuda-gemm")
+    # the flash paths this machine runs: the CUDA ones only on a CUDA GPU
+    on_gpu = "mlx, mlx-blocks, cuda-gemm, cuda"
+    assert lines["backends"] == (on_gpu if cuda.available() else "mlx, mlx-blocks")
     assert lines["quantized_matmul M=2,3"].startswith("ok on")
