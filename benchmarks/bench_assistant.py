@@ -42,6 +42,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from bench_spec_decode import passage, stdlib_function  # the same grounded prompts
+from common import add_target_args, load_assistant, load_target, target_name
 from mlx_lm import load, stream_generate
 
 import mlx_lm_ext
@@ -280,13 +281,20 @@ def main():
         action="store_true",
         help="Also decode drafting every round and compare each draft with the training graph's.",
     )
+    add_target_args(p)
     args = p.parse_args()
+    if args.standin and args.model:
+        p.error("give --model or --standin, not both")
 
     from mlx_lm_ext import models
 
     enable_plugin()
     target_path = args.model or models.build("smollm2-135m-f32", progress=False)
-    target, tok = load(str(target_path))
+    if args.standin:
+        target_path = target_name(args, args.dtype or "float32")
+        target, tok = load_target(args, args.dtype or "float32")
+    else:
+        target, tok = load(str(target_path))
     if args.dtype:
         target.set_dtype(getattr(mx, args.dtype))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -297,7 +305,7 @@ def main():
         q4, _ = load(str(args.draft_model or models.build("smollm2-135m", progress=False)))
         drafters["draft-model"] = lambda: sd.DraftModelDrafter(q4)
     if "assistant" in methods:
-        made = assistant.load(args.drafter_path, target)
+        made = load_assistant(args, args.drafter_path, target)
         drafters["assistant"] = lambda: made
     cfg = assistant.read_config(args.drafter_path)
     state = Path(args.drafter_path, "checkpoint", "state.json")

@@ -42,8 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_spec_decode import passage, stdlib_function  # noqa: E402
-
-from mlx_lm_ext import models  # noqa: E402
+from common import add_target_args, target_name, target_path  # noqa: E402
 
 SERVE = (
     "import sys, mlx.core as mx; mx.set_default_device(getattr(mx, sys.argv.pop(1))); "
@@ -207,6 +206,7 @@ def main():
         help="also run a third server drafting chains only (--draft-tree off) and "
         "print a table of token trees against chains",
     )
+    add_target_args(ap)
     args = ap.parse_args()
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
@@ -217,11 +217,11 @@ def main():
     if not set(kinds) <= {"grounded", "open"}:
         ap.error(f"--kinds: grounded and/or open, got {args.kinds!r}")
 
-    model = models.build("smollm2-135m-f32")
-    if args.dtype != "float32":
+    model = target_path(args, args.dtype)  # a stand-in is built in --dtype
+    if args.dtype != "float32" and not args.standin:
         model = cast_folder(model, args.dtype)
     env_note = os.environ.get("LD_PRELOAD", "") and " (LD_PRELOAD set)"
-    print(f"# SmolLM2-135M {args.dtype} on {args.device}{env_note}, {args.max_tokens} tokens")
+    print(f"# {target_name(args, args.dtype)} on {args.device}{env_note}, {args.max_tokens} tokens")
     servers = {
         "stock": start(model, args.device),
         "ours": start(model, args.device, "--plugin", "spec-decode"),

@@ -47,14 +47,13 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from bench_batch_spec import OPEN, cast_folder, grounded
+from bench_batch_spec import OPEN, grounded
 from bench_spec_decode import prompts as single_prompts
 from bench_suffix import NEAR_WORDINGS, agent_requests, chat
-from mlx_lm import load
+from common import add_target_args, load_target, target_name
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from mlx_lm_ext import models
 from mlx_lm_spec_decode import NGramDrafter
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
@@ -212,13 +211,11 @@ def main():
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--concurrency", default="1,2,4,8")
+    add_target_args(p)
     args = p.parse_args()
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
-    path = models.build("smollm2-135m-f32", progress=False)
-    if args.dtype != "float32":
-        path = cast_folder(path, args.dtype)
-    model, tok = load(str(path))
+    model, tok = load_target(args, args.dtype)
     levels = [int(c) for c in args.concurrency.split(",")]
     batches = sorted(set(levels))
     cap = max(WIDTHS) - 1
@@ -226,7 +223,7 @@ def main():
     t0 = time.perf_counter()
     costs = forward_costs(model, batches, reps=args.reps)
     print(
-        f"# {args.dtype} SmolLM2-135M on {mx.default_device()}: forward over [B, W] in plain steps of B rows"
+        f"# {target_name(args, args.dtype)} on {mx.default_device()}: forward over [B, W] in plain steps of B rows"
     )
     print("\n| B | step ms | " + " | ".join(f"W={w}" for w in WIDTHS) + " |")
     print("|---|---|" + "---|" * len(WIDTHS))

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from common import add_target_args, load_target, target_name
 from mlx_lm import load, stream_generate
 
 import mlx_lm_ext
@@ -181,12 +182,13 @@ def main():
     p.add_argument("--skip-q4-target", action="store_true")
     p.add_argument("--json", default=None, help="also write every row to this file")
     p.add_argument("--show-text", action="store_true", help="print stock's output per prompt")
+    add_target_args(p, dtype=True)
     args = p.parse_args()
     global SHOW_TEXT
     SHOW_TEXT = args.show_text
 
     mlx_lm_ext.enable("spec-decode")
-    f32, tok = load(models.build("smollm2-135m-f32", progress=False))
+    f32, tok = load_target(args)
     q4, _ = load(models.build("smollm2-135m", progress=False))
     drafters = [
         ("ngram", lambda: sd.NGramDrafter(), 3),
@@ -194,7 +196,8 @@ def main():
         ("mlx-lm draft", lambda: q4, 3),  # a plain module: mlx-lm's own loop
     ]
     print(
-        f"# float32 target, {args.max_tokens} tokens, greedy, best of {args.repeats}\n", flush=True
+        f"# {target_name(args)} target, {args.max_tokens} tokens, greedy, best of {args.repeats}\n",
+        flush=True,
     )
     rows = bench(f32, tok, drafters, args.max_tokens, args.only, args.repeats)
     print("\n" + table(rows) + "\n", flush=True)

@@ -45,11 +45,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from bench_spec_decode import prompts as single_prompts
-from mlx_lm import load, stream_generate
+from common import add_target_args, load_target, target_name
+from mlx_lm import stream_generate
 
 import mlx_lm_ext
 import mlx_lm_spec_decode as sd
-from mlx_lm_ext import models
 
 TASKS = [
     "check whether a number is prime",
@@ -259,14 +259,13 @@ def main():
     p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="default: MLX's")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--no-trees", action="store_true", help="skip the +tree methods")
+    add_target_args(p)
     args = p.parse_args()
 
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     mlx_lm_ext.enable("spec-decode")
-    model, tok = load(models.build("smollm2-135m-f32", progress=False))
-    if args.dtype != "float32":
-        model.set_dtype(getattr(mx, args.dtype))
+    model, tok = load_target(args, args.dtype)
     costs, plain = verify_costs(model)
     print(
         f"# verify forward cost against its width (a plain step: {1e3 * plain:.1f} ms)\n\n"
@@ -294,7 +293,7 @@ def main():
             ("suffix+tree", fresh_suffix(True)),
         ]
     print(
-        f"# {args.dtype} target on {mx.default_device()}, greedy, best of {args.repeats}; "
+        f"# {target_name(args, args.dtype)} target on {mx.default_device()}, greedy, best of {args.repeats}; "
         f"{args.agent_max_tokens} tokens a request (agent), {args.max_tokens} (the others)\n",
         flush=True,
     )

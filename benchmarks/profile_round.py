@@ -31,6 +31,7 @@ import statistics
 import time
 
 import mlx.core as mx
+from common import add_target_args, load_assistant, load_target
 from mlx_lm import load, stream_generate
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -167,6 +168,7 @@ def main():
         default="padded,explicit,fused",
         help="Verify attention policies to compare (MLX_LM_SPEC_ATTENTION), first is the main one.",
     )
+    add_target_args(ap)
     args = ap.parse_args()
 
     import bench_assistant
@@ -175,10 +177,10 @@ def main():
 
     bench_assistant.enable_plugin()
     path = args.model or models.build("smollm2-135m-f32", progress=False)
-    model, tok = load(str(path))
+    model, tok = load_target(args, args.dtype or "float32") if args.standin else load(str(path))
     if args.dtype:
         model.set_dtype(getattr(mx, args.dtype))
-    base = assistant.load(args.drafter_path, model)
+    base = load_assistant(args, args.drafter_path, model)
     print(f"# {mx.default_device()}, dtype {args.dtype or 'as loaded'}, median of {args.repeats}\n")
 
     chat = {
