@@ -43,9 +43,7 @@ def loss_plugin(loss: Optional[str]) -> Optional[str]:
         return None
     provider = plugins.loss_provider(loss)
     if provider is None:
-        lora = [n for n in sorted(plugins.installed()) if "lora" in plugins.extends(n)]
-        losses = [x for n in lora for x in plugins.loss_names(n)]
-        plugins.fail(f"unknown loss '{loss}' (losses: {', '.join(['default', *losses])})")
+        plugins.fail(plugins.unknown_loss_message(loss))
     return provider
 
 
@@ -91,7 +89,6 @@ def extend_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Arg
             help="Training loss: 'default' (mlx-lm's) or one from a plugin, "
             "e.g. flash-cce. Also `loss: NAME` in the YAML config.",
         )
-    original = parser.parse_args
 
     def parse_args(args=None, namespace=None):
         argv = sys.argv[1:] if args is None else args
@@ -107,7 +104,9 @@ def extend_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Arg
                 plugins.add_arguments(name, command, parser)
         except PluginError as e:
             plugins.fail(str(e))  # one line, not argparse's whole usage block
-        ns = original(args, namespace)
+        ns, extra = parser.parse_known_args(args, namespace)  # what original() does, then:
+        if extra:  # a flag of a plugin not named says which (exit 2)
+            plugins.unrecognized(parser, extra, command, names)
         if command != "lora":  # lora activates after its YAML merge (run)
             activate_cli(names, command, ns)
         return ns

@@ -19,6 +19,13 @@ from . import PluginError, hookspecs
 
 GROUP = "mlx_lm_ext.plugins"
 COMMANDS = ("generate", "server", "lora")
+# The suite's own plugins, to name the package of one that is not installed.
+SUITE_PACKAGES = {
+    "spec-decode": "mlx-lm-spec-decode",
+    "ssd-cache": "mlx-lm-ssd-cache",
+    "flash-cce": "mlx-lm-flash-cce",
+}
+SUITE_LOSSES = {"flash-cce": "flash-cce", "orpo": "flash-cce", "dpo": "flash-cce"}
 
 log = logging.getLogger("mlx_lm_ext")
 
@@ -89,6 +96,51 @@ def split_names(values: Union[None, str, Iterable[Any]]) -> List[str]:
             if name and name not in names:
                 names.append(name)
     return names
+
+
+def unknown_loss_message(loss: str) -> str:
+    """Why ``--loss loss`` is unknown: the installed losses, and the plugin to install."""
+    lora = [n for n in sorted(installed()) if "lora" in extends(n)]
+    losses = [x for n in lora for x in loss_names(n)]
+    text = f"unknown loss '{loss}' (losses: {', '.join(['default', *losses])})"
+    owner = SUITE_LOSSES.get(loss)
+    if owner is not None and owner not in installed():
+        text += (
+            f"; --loss {loss} comes with plugin {owner}, which is not installed: "
+            f"install the package {SUITE_PACKAGES[owner]} (from a clone: pip install -e plugins/{owner})"
+        )
+    return text
+
+
+def flag_owner(flag: str, command: str, named: Iterable[str] = ()) -> Optional[str]:
+    """The installed plugin, not among ``named``, whose flags for ``command``
+    include ``flag`` (read from its module without registering it)."""
+    for name in sorted(set(installed()) - set(named)):
+        if command not in extends(name):
+            continue
+        parser = argparse.ArgumentParser(add_help=False)
+        try:
+            add = getattr(installed()[name].load(), "add_arguments", None)
+            if callable(add):
+                add(command=command, group=parser.add_argument_group(name))
+        except Exception:  # a broken plugin is no owner (mlx-lm-ext plugins says why)
+            continue
+        if any(flag in a.option_strings for a in parser._actions):
+            return name
+    return None
+
+
+def unrecognized(
+    parser: argparse.ArgumentParser, extra: List[str], command: str, named: Iterable[str]
+) -> NoReturn:
+    """Exit 2 for arguments ``parser`` does not know, naming the plugin a flag belongs to."""
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        owner = flag_owner(flag, command, named) if flag.startswith("--") else None
+        if owner is not None:
+            dist, _ = distribution(owner)
+            fail(f"{flag} belongs to plugin {owner} (package {dist}): add --plugin {owner}")
+    parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
 
 def unknown_message(name: str) -> str:

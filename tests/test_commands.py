@@ -70,6 +70,22 @@ def test_unknown_plugin_exits_2_listing_installed(run, command):
     assert "Traceback" not in r.stderr and "usage:" not in r.stderr  # one line
 
 
+@pytest.mark.parametrize("command", ["generate", "server"])
+def test_flag_of_a_plugin_not_named_says_which_plugin(run, command):
+    r = run([bin_path(f"mlx_lm.{command}"), "--testplugin-mode", "ok", "--max-tokens", "2"])
+    assert r.returncode == 2
+    assert (
+        "--testplugin-mode belongs to plugin testplugin (package mlx-lm-ext-testplugin): "
+        "add --plugin testplugin"
+    ) in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    r = run([bin_path(f"mlx_lm.{command}"), "--testplugin-mode=ok"])
+    assert r.returncode == 2 and "add --plugin testplugin" in r.stderr
+    # a flag nobody owns: argparse's own message
+    r = run([bin_path(f"mlx_lm.{command}"), "--no-such-flag"])
+    assert r.returncode == 2 and "unrecognized arguments: --no-such-flag" in r.stderr
+
+
 def test_plugin_on_command_it_does_not_extend(run):
     r = run([bin_path("mlx_lm.generate"), "--plugin", "serveronly", "--prompt", "x"])
     assert r.returncode == 2

@@ -183,3 +183,30 @@ def test_a_plugin_error_while_training_exits_2_in_one_line(host, monkeypatch, ca
         )
     finally:
         patching.undo("lora.loss")
+
+
+def test_unknown_loss_names_the_plugin_and_package_to_install(host, monkeypatch, capsys):
+    from mlx_lm_ext import integration
+
+    found = host.installed()
+    monkeypatch.setattr(
+        host, "installed", lambda: {k: v for k, v in found.items() if k != "flash-cce"}
+    )
+    for loss in ("flash-cce", "orpo"):
+        with pytest.raises(SystemExit) as e:
+            integration.loss_plugin(loss)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"unknown loss '{loss}'" in err and "testplugin" in err  # the installed ones
+        assert "plugin flash-cce, which is not installed" in err
+        assert "mlx-lm-flash-cce" in err and "pip install -e plugins/flash-cce" in err
+    with pytest.raises(SystemExit):
+        integration.loss_plugin("nope")
+    assert "not installed" not in capsys.readouterr().err  # nothing known provides it
+
+
+def test_flag_owner_finds_an_installed_plugin_without_registering_it(host, plugin_log):
+    assert host.flag_owner("--testplugin-mode", "generate") == "testplugin"
+    assert host.flag_owner("--testplugin-mode", "generate", named=["testplugin"]) is None
+    assert host.flag_owner("--no-such-flag", "generate") is None
+    assert host.manager().get_plugin("testplugin") is None  # read, not registered
