@@ -346,6 +346,7 @@ def verify_cost(model, tok, key, work, sizes, repeats):
 
     rows = [("tokens", "MB", "prefill s", "restore s", "+ CRC s", "CRC s", "vs prefill")]
     RESULTS["verify"] = []
+    first_token(model, prompt_tokens(tok, 8), make_prompt_cache(model))  # warm-up
     for n in sizes:
         prompt = prompt_tokens(tok, n)
         cache = make_prompt_cache(model)
