@@ -303,7 +303,7 @@ def dominates(a: Candidate, b: Candidate) -> bool:
     memory limit no higher (as little run-ahead or less), and its
     elementwise step is the same or the unfused MLX one where ``a`` has the
     row kernel. By measurement (flash-cce-h200.md): blocks of a sixteenth
-    the size or less (16x the launches) are slower whatever their step.
+    the size or less (sixteen times the launches) are slower whatever their step.
     """
     big = (Path.CUDA_GEMM, Path.MLX_BLOCKS)
     if a.path not in big or b.path not in big or not a.vocab_chunk or not b.vocab_chunk:

@@ -2,7 +2,7 @@
 
 ``--cce-memory-budget SIZE`` (``linear_cross_entropy(memory_budget=)``) is
 the most working memory the loss head may use above its inputs: the
-``auto`` backend only keeps a path whose measured peak fits it.
+measuring choice (``autotune``) only keeps a path whose measured peak fits it.
 
 On an asynchronous GPU (CUDA, Metal) MLX queues work ahead of the device
 and frees a block's buffers only when the device is done with it, so a
@@ -118,9 +118,9 @@ class MemoryLimit:
     only ever raises it. The model's activations count against the limit
     too: while they sit above it MLX runs the queued work before each new
     allocation. That keeps the loss blocks from piling up, and also makes
-    the model's own backward pass wait for the device op by op: on the
-    H200 a whole LoRA step of a 1B model took 1.19-1.36x as long with the
-    limit at weights + the path's headroom. So the default budget holds it no lower than
+    the model's own backward pass wait for the device op by op: a whole
+    LoRA step took markedly longer with the limit at weights + the path's
+    headroom (benchmarks/results/flash-cce-h200.md). So the default budget holds it no lower than
     ``device_floor()`` (a step runs unthrottled until memory gets short),
     and an explicit ``--cce-memory-budget`` holds it at weights + budget.
     """

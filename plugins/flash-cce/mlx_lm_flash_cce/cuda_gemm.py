@@ -4,7 +4,8 @@ The fused ``cuda`` kernels do three GEMM-sized passes with ``mma.sync``,
 slower than cuBLAS's ``wgmma`` on Hopper; the stock loss does two through
 cuBLAS (throughputs in benchmarks/results/flash-cce-h200.md). These paths
 keep cuBLAS for both products and bound memory by
-working in ``[token_chunk, vocab_chunk]`` blocks (default 8192 x 8192),
+working in ``[token_chunk, vocab_chunk]`` blocks (``blocks``; ``mlx-blocks``
+sets its own, ``backends``),
 in one pass with online rescaling (as ``portable`` does):
 
     z   = h_c @ W_v.T                       cuBLAS, compute dtype (bf16) in and out
@@ -13,13 +14,14 @@ in one pass with online rescaling (as ``portable`` does):
 
 and at the end ``lse = m + log l`` and ``d = acc / l - dz_t W_t``, the
 hidden-state gradient per unit cotangent (the custom VJP multiplies it by
-the incoming cotangent). ``step`` is a small CUDA kernel on a CUDA GPU
-(``rows.ROW_SOURCE``, compiled once per machine by ``nvrtc`` and run through
+the incoming cotangent). ``step`` is, for path ``cuda-gemm``
+(``elementwise="kernel"``), a small CUDA kernel (``rows.ROW_SOURCE``,
+compiled once per machine by ``nvrtc`` and run through
 ``mx.fast.precompiled_cuda_kernel``: one thread block per token row reads
-the bf16 logits twice, from L2 the second time, and writes ``P`` once, ~6
-bytes per logit) and an ``mx.compile``d MLX function elsewhere (or with
-``elementwise="mlx"``, or where NVRTC is not found). Logits are rounded to the compute dtype by the
-matmul as in the stock loss; max, sum and the accumulator are float32.
+the bf16 logits twice, from L2 the second time, and writes ``P`` once), and
+for path ``mlx-blocks`` (``elementwise="mlx"``) an ``mx.compile``d MLX
+function. Logits are rounded to the compute dtype by the matmul as in the
+stock loss; max, sum and the accumulator are float32.
 
 Memory: MLX evaluates asynchronously and on CUDA queues work far ahead of
 the GPU, freeing a block's buffers only when the GPU is done with it; every

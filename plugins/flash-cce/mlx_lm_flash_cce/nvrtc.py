@@ -2,17 +2,17 @@
 
 MLX 0.32 compiles an ``mx.fast.cuda_kernel`` with NVRTC in every process
 (its disk cache holds only MLX's own fused kernels), and its default header
-(``utils.cuh``, cooperative groups) makes even a small kernel cost 1.4-2.1 s
-on the H200 at the first call of each process and dtype: a whole trial of
-``auto`` by itself. Here a self-contained source (no headers) is compiled
+(``utils.cuh``, cooperative groups) makes even a small kernel cost seconds
+at the first call of each process and dtype, as much as a whole trial of
+``auto`` (benchmarks/results/flash-cce-h200.md). Here a self-contained source (no headers) is compiled
 through NVRTC with ``ctypes`` (the library MLX's CUDA backend already
 loaded), and the cubin is kept under the flash-cce cache folder per
 (source, GPU architecture, NVRTC version), with a checksum: a later process
 loads it in microseconds; a file that does not match is compiled again.
 
 ``cubin(name, source)`` returns the bytes, or None where NVRTC or the
-precompiled-kernel API is missing or the compile fails (the caller then
-takes its portable path).
+precompiled-kernel API is missing or the compile fails (path ``cuda-gemm``
+then cannot run here, ``backends``).
 """
 
 import ctypes

@@ -196,7 +196,8 @@ def _block(st, arrays, v0, v1):
 
     Dense rows are cast to the compute dtype once per block. Quantized rows
     are dequantized to a dense block when ``st.dequantize`` (the CPU: MLX's
-    CPU quantized_matmul is ~10x slower than a float32 BLAS matmul), else
+    CPU quantized_matmul is much slower than a float32 BLAS matmul,
+    benchmarks/results/flash-cce-cpu.md), else
     kept packed for ``quantized_matmul``.
     """
     head = _head(st)
