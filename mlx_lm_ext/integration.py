@@ -279,6 +279,8 @@ def on_activate(command: str) -> None:
             serving.install_batching()
         if plugins.active_implements("usage_fields") or plugins.active_implements("report_lines"):
             serving.install_requests()
+    if command == "server" and STATE.active:
+        serving.install_sigterm()
     args = STATE.args.get("server")
     if command == "server" and STATE.active and not getattr(args, "no_status", False):
         from . import monitoring  # imports prometheus_client: only for a server with plugins

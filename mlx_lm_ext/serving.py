@@ -12,11 +12,13 @@
   the server's prompt-cache log lines.
 
 All of it goes through the ledger in ``patching``; ``integration.on_activate``
-decides what is needed.
+decides what is needed. Besides, SIGTERM ends a server with plugins as
+Ctrl-C does (``install_sigterm``), so that plugins' exit handlers run.
 """
 
 import functools
 import logging
+import signal
 import sys
 import threading
 import weakref
@@ -265,3 +267,25 @@ def install_requests() -> None:
 
 class _HandlerLocal(threading.local):
     ctx = None
+
+
+def install_sigterm() -> None:
+    """SIGTERM takes ``mlx_lm.server``'s Ctrl-C path instead of killing the process.
+
+    On KeyboardInterrupt the server shuts its HTTP server down and joins the
+    generation thread; the process then exits normally and exit handlers run
+    (ssd-cache's pending writes, spec-decode's suffix corpus). Python's default
+    SIGTERM ends the process without any of that. Only a default handler is
+    replaced, from the main thread; a second SIGTERM kills as before.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        log.info("SIGTERM: shutting down as on Ctrl-C")
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)

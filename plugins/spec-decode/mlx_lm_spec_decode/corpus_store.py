@@ -2,7 +2,7 @@
 
 ``--suffix-corpus-dir DIR`` keeps each model's corpus in
 ``DIR/<fingerprint>/suffix-corpus.npz``, ssd-cache's layout (one folder per
-model fingerprint):
+model fingerprint, a ``CACHEDIR.TAG`` in ``DIR``):
 
 - the fingerprint (``fingerprint``): sha256 over the tokenizer's vocabulary
   fingerprint and, for every parameter of the loaded model, its name, shape,
@@ -11,12 +11,22 @@ model fingerprint):
 - the file: numpy's npz, read without pickles: the corpus tokens oldest
   first (a separator before each document) and a header (format,
   fingerprint, capacity, sha256 of the tokens). It is read with a size
-  bound and without following a link; a file that does not check out is
-  ignored with one warning, and the next save replaces it;
-- saving writes a temporary file and renames it over the old one, so a
-  crash leaves one or the other: when a request ends and ``SAVE_SECONDS``
-  have passed since the last save, and when the process exits. Only the
-  tokens are stored (4 bytes each); loading indexes them again.
+  bound; a file that does not check out is ignored with one warning, and
+  the next save replaces it;
+- every file operation goes through ``mlx_lm_ext.safefs``, as ssd-cache's
+  do: ``DIR`` must be tagged (or new, or hold only corpus folders), the
+  fingerprint folder and the file are opened relative to it without
+  following a link, and a save writes a locked temp file and renames it over
+  the old one (a crash leaves one or the other). A folder that is a link,
+  or a ``DIR`` that is not safely ours, is one warning: the corpus then
+  stays in memory only;
+- when: after a request ends once ``SAVE_SECONDS`` have passed since the
+  last save, when its model is dropped, when the plugin is deactivated, and
+  at exit (Ctrl-C; SIGTERM too, which the host turns into the server's
+  Ctrl-C path). Until then this module holds the corpus: the drafter's own
+  reference goes with the model, which the server drops before exit
+  handlers run. Only the tokens are stored (4 bytes each); loading indexes
+  them again.
 """
 
 import atexit
@@ -25,15 +35,16 @@ import io
 import json
 import logging
 import os
-import stat
+import threading
 import time
-import weakref
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
+
+from mlx_lm_ext import safefs
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
@@ -59,22 +70,24 @@ def path_for(root: Any, fp: str) -> Path:
     return Path(root).expanduser() / fp / NAME
 
 
-def _read(path: Path, limit: int) -> bytes:
-    """The file's bytes: not through a link, at most ``limit`` of them."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+def _read(root: Any, fp: str, limit: int) -> Optional[bytes]:
+    """The stored file's bytes (None: there is none), at most ``limit`` of them,
+    no link followed at any level."""
+    try:
+        with safefs.open_folder(root, fp, safefs.CORPUS) as dfd:
+            fd = safefs.open_file(dfd, NAME)
+    except FileNotFoundError:
+        return None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"larger than {limit} bytes")
     return data
 
 
-def load(path: Path, fp: str, corpus: Any, vocab: Optional[int] = None) -> int:
-    """Fill ``corpus`` from ``path``: the documents it held (newest kept when
-    the corpus is smaller). Raises on anything that does not check out."""
-    data = _read(path, 4 * corpus.cap + (1 << 20))
+def load(data: bytes, fp: str, corpus: Any, vocab: Optional[int] = None) -> int:
+    """Fill ``corpus`` from a stored file's bytes: the documents it held (newest
+    kept when the corpus is smaller). Raises on anything that does not check out."""
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         head = json.loads(bytes(z["header"]).decode())
         toks = z["tokens"]
@@ -96,7 +109,8 @@ def load(path: Path, fp: str, corpus: Any, vocab: Optional[int] = None) -> int:
     return len(docs)
 
 
-def save(path: Path, fp: str, corpus: Any) -> None:
+def encode(fp: str, corpus: Any) -> bytes:
+    """The file's bytes for ``corpus``."""
     toks = corpus.tokens_in_order()
     head = {
         "format": FORMAT,
@@ -106,56 +120,104 @@ def save(path: Path, fp: str, corpus: Any) -> None:
     }
     buf = io.BytesIO()
     np.savez(buf, tokens=toks, header=np.frombuffer(json.dumps(head).encode(), np.uint8))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{NAME}.{os.getpid()}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(tmp, flags, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(buf.getvalue())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return buf.getvalue()
+
+
+def save(root: Any, fp: str, corpus: Any) -> None:
+    """Write ``corpus`` to ``root/fp/NAME``. ``OSError``, or ``safefs.NotACache``
+    for a root or folder that is not safely ours (a link, foreign files)."""
+    data = encode(fp, corpus)
+    safefs.make_folder(root, fp, safefs.CORPUS)
+    with safefs.open_folder(root, fp, safefs.CORPUS) as dfd:
+        safefs.write_file(dfd, NAME, data)
 
 
 class Store:
     """Where one corpus lives on disk, and when it is saved next."""
 
-    def __init__(self, corpus: Any, path: Path, fp: str):
-        self.corpus, self.path, self.fp = weakref.ref(corpus), path, fp
+    def __init__(self, corpus: Any, root: Any, fp: str):
+        self.corpus, self.root, self.fp = corpus, str(Path(root).expanduser()), fp
+        self.path = path_for(root, fp)
         self.saved_at, self.saved_end, self.failed = time.monotonic(), corpus.end, False
+        self.lock = threading.Lock()
 
     def save(self, force: bool = False) -> None:
-        corpus = self.corpus()
-        if corpus is None or self.failed or corpus.end == self.saved_end:
-            return
-        if not force and time.monotonic() - self.saved_at < SAVE_SECONDS:
-            return
-        try:
-            save(self.path, self.fp, corpus)
-        except OSError as e:
-            self.failed = True
-            log.warning(f"spec-decode: cannot save the suffix corpus to {self.path}: {e}")
-            return
-        self.saved_at, self.saved_end = time.monotonic(), corpus.end
+        with self.lock:
+            if self.failed or self.corpus.end == self.saved_end:
+                return
+            if not force and time.monotonic() - self.saved_at < SAVE_SECONDS:
+                return
+            try:
+                save(self.root, self.fp, self.corpus)
+            except (OSError, safefs.NotACache) as e:
+                self.refuse(e)
+                return
+            self.saved_at, self.saved_end = time.monotonic(), self.corpus.end
+
+    def refuse(self, e: Exception) -> None:
+        """Stop saving, with the one warning."""
+        self.failed = True
+        log.warning(
+            f"spec-decode: cannot keep the suffix corpus in {self.path} ({e}); "
+            "it stays in memory only"
+        )
+
+
+# Corpora with a store, kept (and saved at exit) until detached: id -> store.
+_STORES: Dict[int, Store] = {}
+_STORES_LOCK = threading.Lock()
 
 
 def attach(corpus: Any, root: Any, model: Any, tok_key: Any) -> Store:
     """Load ``corpus`` from ``root`` (if a stored one checks out) and keep it saved there."""
     fp = fingerprint(model, tok_key)
-    path = path_for(root, fp)
-    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
-    if path.exists() or path.is_symlink():
-        t0 = time.perf_counter()
-        try:
-            docs = load(path, fp, corpus, vocab)
-            log.info(
-                f"spec-decode: suffix corpus loaded from {path}: {docs} documents, "
-                f"{len(corpus)} tokens in {time.perf_counter() - t0:.2f} s"
-            )
-        except Exception as e:  # any damage: start empty, the next save replaces it
-            corpus.reset()
-            log.warning(f"spec-decode: ignoring the stored suffix corpus {path}: {e}")
-    store = Store(corpus, path, fp)
+    store = Store(corpus, root, fp)
+    try:
+        safefs.make_folder(store.root, fp, safefs.CORPUS)
+    except (OSError, safefs.NotACache) as e:
+        store.refuse(e)
+    else:
+        _load_stored(store, getattr(getattr(model, "args", None), "vocab_size", None))
     corpus.after_add = store.save
-    atexit.register(store.save, True)
+    with _STORES_LOCK:
+        _STORES[id(corpus)] = store
     return store
+
+
+def _load_stored(store, vocab):
+    corpus, t0 = store.corpus, time.perf_counter()
+    try:
+        data = _read(store.root, store.fp, 4 * corpus.cap + (1 << 20))
+        if data is None:
+            return
+        docs = load(data, store.fp, corpus, vocab)
+        log.info(
+            f"spec-decode: suffix corpus loaded from {store.path}: {docs} documents, "
+            f"{len(corpus)} tokens in {time.perf_counter() - t0:.2f} s"
+        )
+    except Exception as e:  # any damage: start empty, the next save replaces it
+        corpus.reset()
+        log.warning(f"spec-decode: ignoring the stored suffix corpus {store.path}: {e}")
+    store.saved_end = corpus.end
+
+
+def detach(corpus: Any) -> None:
+    """Save ``corpus`` now and stop keeping it (its model was dropped)."""
+    with _STORES_LOCK:
+        store = _STORES.pop(id(corpus), None)
+    if store is not None:
+        store.save(True)
+
+
+def flush(forget: bool = False) -> None:
+    """Save every kept corpus that changed (at exit; ``forget``: and drop them,
+    as deactivating the plugin does)."""
+    with _STORES_LOCK:
+        stores = list(_STORES.values())
+        if forget:
+            _STORES.clear()
+    for store in stores:
+        store.save(True)
+
+
+atexit.register(flush)

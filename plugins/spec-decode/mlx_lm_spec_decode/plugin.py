@@ -171,6 +171,13 @@ def activate(command: str, args: argparse.Namespace) -> argparse.Namespace:
 
 
 @hookimpl
+def deactivate() -> None:
+    from . import corpus_store
+
+    corpus_store.flush(forget=True)  # suffix corpora kept on disk: saved now
+
+
+@hookimpl
 def usage_fields(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     s = info.get("spec-decode")
     if s is None:

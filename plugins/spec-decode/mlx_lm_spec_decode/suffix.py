@@ -297,7 +297,8 @@ def tokenizer_key(tokenizer: Any) -> Optional[str]:
 def corpus_for(model: Any, tok_key: Any, cap: int, store: Optional[str] = None) -> SuffixCorpus:
     """This process's corpus for ``model`` (the loaded object) and a
     tokenizer; forgotten when the model is. ``store``: a folder where it is
-    kept across restarts (``corpus_store``)."""
+    kept across restarts (``corpus_store``: held and saved until the model
+    goes, the plugin is deactivated or the process exits)."""
     key = (id(model), tok_key, cap, store)
     corpus = _CORPORA.get(key)
     if corpus is None:
@@ -305,10 +306,16 @@ def corpus_for(model: Any, tok_key: Any, cap: int, store: Optional[str] = None) 
         if store is not None:
             corpus_store.attach(corpus, store, model, tok_key)
         try:
-            weakref.finalize(model, _CORPORA.pop, key, None)
+            weakref.finalize(model, _forget, key)
         except TypeError:  # not weak-referenceable: kept for the process
             pass
     return corpus
+
+
+def _forget(key: tuple) -> None:
+    corpus = _CORPORA.pop(key, None)
+    if corpus is not None:
+        corpus_store.detach(corpus)  # saved now; not kept for the exit
 
 
 def _bucket(m: int) -> int:
