@@ -12,9 +12,10 @@ them with the mlx-lm facts each one relies on.
 import argparse
 import functools
 import logging
+import os
 import sys
 from types import ModuleType
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from . import PluginError, host, patching, plugins, serving
 
@@ -130,7 +131,7 @@ def activate_cli(names: Iterable[str], command: str, args: argparse.Namespace) -
 
 def enable(name: str, **options: Any) -> Any:
     """Python API (``mlx_lm_ext.enable``, which has checked ``MLX_LM_EXT_DISABLE``)."""
-    args = plugins.python_args(name, options)
+    args = plugins.python_args(name, option_values(name, options))
     plugin = plugins.activate(name, "python", args)
     # Every plugin enabled from Python adds its options to one namespace.
     vars(STATE.args.setdefault("python", argparse.Namespace())).update(vars(args))
@@ -141,6 +142,53 @@ def enable(name: str, **options: Any) -> Any:
 def disable(name: str) -> None:
     plugins.deactivate(name)
     on_deactivate()
+
+
+def option_values(name: str, options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` (keywords of ``enable``) checked as the command line checks
+    its flags: a choice must be one of the choices, a switch True or False, a
+    typed value of its type (a string goes through the flag's own type, as
+    on the command line). Unknown names are left to ``plugins.python_args``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    plugins.add_arguments(name, "python", parser)
+    actions = {a.dest: a for a in parser._actions}
+    out = {}
+    for key, value in options.items():
+        action = actions.get(key)
+        out[key] = value if action is None else _option_value(name, key, action, value)
+    return out
+
+
+def _option_value(name: str, key: str, action: argparse.Action, value: Any) -> Any:
+    def bad(why: str) -> PluginError:
+        return PluginError(f"plugin '{name}': {key}={value!r}: {why}")
+
+    if action.nargs == 0:  # a switch (store_true, store_false, --x/--no-x)
+        if not isinstance(value, bool):
+            raise bad("must be True or False")
+        return value
+    if (value is None and action.default is None) or action.nargs not in (None, "?"):
+        return value  # left unset as on the command line; lists are the plugin's to check
+    kind = action.type if callable(action.type) else str
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(value, str) and kind is not str:
+        try:  # what the command line does with the text of a flag
+            value = kind(value)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+            what = {int: "an integer", float: "a number"}.get(kind)
+            raise bad(f"must be {what}" if what else str(e) or "not a valid value") from e
+    elif kind is int and not (number and isinstance(value, int)):
+        raise bad("must be an integer")
+    elif kind is float and not number:
+        raise bad("must be a number")
+    elif kind is str:
+        if isinstance(value, os.PathLike) or number:
+            value = str(value)  # the text the command line would have passed
+        elif not isinstance(value, str):
+            raise bad("must be a string")
+    if action.choices is not None and value not in action.choices:
+        raise bad(f"must be one of {', '.join(map(str, action.choices))}")
+    return value
 
 
 # ---------------------------------------------------------- module patches
@@ -248,6 +296,7 @@ def _activate_lora(args):
 NEEDS = {
     "generate.dispatch": ("speculative_generate_step",),
     "generate.generate": ("make_drafter", "report_lines"),
+    "python.generate": ("make_drafter",),
     "server.prompt_cache": ("make_prompt_cache",),
     "server.model": ("make_drafter", "model_loaded"),
     "server.batch": ("batch_generator",),
@@ -268,6 +317,12 @@ def on_activate(command: str) -> None:
         plugins.active_implements("make_drafter") or plugins.active_implements("report_lines")
     ):
         _install_generate()
+    if (
+        command == "python"
+        and "mlx_lm.generate" in sys.modules
+        and plugins.active_implements("make_drafter")
+    ):
+        _install_python_generate()
     if command == "server" or (command == "python" and "mlx_lm.server" in sys.modules):
         if plugins.active_implements("make_prompt_cache"):
             serving.install_prompt_cache()
@@ -354,6 +409,49 @@ def _install_generate():
         return generate
 
     patching.wrap("generate.generate", mod, "generate", make)
+
+
+def _install_python_generate():
+    """``stream_generate`` for plugins enabled from Python, so that
+    ``mlx_lm.generate(...)`` and ``mlx_lm.stream_generate(...)`` draft as
+    ``--plugin`` makes them: a call without a ``draft_model`` gets the
+    plugin's drafter (``make_drafter``, command ``"python"``, with the
+    options given to ``enable``); the caller's own ``draft_model`` is the
+    plugin's to keep or wrap. Patched where mlx-lm looks it up: its module
+    (``generate`` calls it there) and the ``mlx_lm`` package. A name bound
+    before ``enable`` (``from mlx_lm import stream_generate`` first) is
+    mlx-lm's own function and stays stock."""
+    mod = sys.modules["mlx_lm.generate"]
+
+    def make(original):
+        @functools.wraps(original)
+        def stream_generate(
+            model, tokenizer, prompt, max_tokens=256, draft_model=None, *args, **kwargs
+        ):
+            # mlx-lm's speculative path takes neither: such a call stays stock.
+            plain = kwargs.get("input_embeddings") is not None or kwargs.get("max_kv_size")
+            drafter = None
+            if not plain:
+                drafter = plugins.first(
+                    "make_drafter",
+                    command="python",
+                    model=model,
+                    tokenizer=tokenizer,
+                    draft_model=draft_model,
+                    args=None,
+                )
+            if drafter is not None:
+                draft_model = drafter
+            return original(model, tokenizer, prompt, max_tokens, draft_model, *args, **kwargs)
+
+        return stream_generate
+
+    patch = patching.wrap("python.generate", mod, "stream_generate", make)
+    package = sys.modules.get("mlx_lm")
+    # While mlx_lm/__init__ is still importing mlx_lm.generate, the package
+    # has no stream_generate yet: it then takes the patched one by itself.
+    if package is not None and getattr(package, "stream_generate", None) is patch.old:
+        patching.replace("python.generate", package, "stream_generate", patch.new)
 
 
 def prompt_cache_classes() -> List[type]:

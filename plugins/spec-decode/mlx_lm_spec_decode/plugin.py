@@ -229,6 +229,8 @@ def make_drafter(
     options: argparse.Namespace,
 ) -> Drafter:
     args = args if args is not None else options
+    if command == "python" and _callers_own(draft_model, args):
+        return None  # the draft_model the caller passed, as it is
     which = getattr(args, "drafter", None) or (
         "draft-model" if draft_model is not None else "ngram"
     )
@@ -250,6 +252,8 @@ def make_drafter(
         tree = getattr(args, "draft_tree", "auto") != "off"
         return NGramDrafter(n_max=args.ngram_max, n_min=args.ngram_min, tree=tree, **opts)
     if draft_model is None:
+        if command == "python":
+            raise PluginError('drafter="draft-model" needs draft_model=MODEL in each call')
         raise PluginError("--drafter draft-model needs --draft-model PATH")
     if isinstance(draft_model, Drafter):
         return draft_model
@@ -264,6 +268,16 @@ def make_drafter(
         )
     except (VocabularyMismatch, ValueError) as e:
         raise PluginError(f"spec-decode: {e}") from e
+
+
+def _callers_own(draft_model, args):
+    """From Python (``mlx_lm_ext.enable``), a ``draft_model`` passed to the
+    call wins over the enabled drafter; only ``drafter="draft-model"`` wraps
+    a plain model in this plugin's ``DraftModelDrafter`` (otherwise a plain
+    model runs mlx-lm's own loop, as documented)."""
+    if draft_model is None:
+        return False
+    return isinstance(draft_model, Drafter) or getattr(args, "drafter", None) != "draft-model"
 
 
 def _assistant(model, args, opts):
