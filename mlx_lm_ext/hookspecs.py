@@ -275,7 +275,7 @@ def metrics(prompt_cache: Any, options: Any) -> Optional[List[Any]]:
 
 
 @hookspec
-def status_options(options: Any) -> Optional[Dict[str, Any]]:
+def status_options(args: argparse.Namespace, options: Any) -> Optional[Dict[str, Any]]:
     """Return this plugin's effective option values for ``/status``, or ``None``.
 
     ``{dest: value}``, ``dest`` a flag's ``argparse`` name (``"draft_max"``
@@ -284,8 +284,9 @@ def status_options(options: Any) -> Optional[Dict[str, Any]]:
     10 for it). The page lists each of the plugin's flags with its parsed
     value, these replacing it; a name that is none of the plugin's flags
     is shown as ``--name`` (say, mlx-lm's ``num_draft_tokens``).
-    ``options`` is what ``activate`` returned. Asked each time the page is
-    built; a plugin that raises keeps its parsed values.
+    ``args`` is the server's parsed command line, ``options`` what
+    ``activate`` returned. Asked each time the page is built; a plugin that
+    raises keeps its parsed values.
     """
 
 

@@ -61,7 +61,29 @@ def install(args: Any) -> None:
     patching.wrap("server.metrics", handler, "_set_stream_headers", _make_status)
     patching.wrap("server.metrics", rg, "_await_response", _make_await)
     patching.wrap("server.routes", handler, "do_GET", _make_get)
+    patching.wrap("server.routes", mod, "_run_http_server", _make_run)
     _start_sampler()
+
+
+def startup_line(host: str, port: int) -> str:
+    """``mlx-lm-ext: plugins a 1.0, b 2.0; status page http://HOST:PORT/status ...``"""
+    names = ", ".join(f"{p['name']} {p['version']}" for p in _info.get("plugins", []))
+    shown = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    shown = f"[{shown}]" if ":" in shown else shown
+    url = f"http://{shown}:{port}"
+    return (
+        f"mlx-lm-ext: plugins {names or 'none'}; status page {url}/status "
+        f"({url}/status.json, {url}/metrics; `mlx-lm-ext status {url}` in a terminal)"
+    )
+
+
+def _make_run(original):
+    @functools.wraps(original)
+    def _run_http_server(host, port, *args, **kwargs):
+        log.info(startup_line(host, port))  # logging is set up by now (main's basicConfig)
+        return original(host, port, *args, **kwargs)
+
+    return _run_http_server
 
 
 def server_info(args: Any) -> Dict[str, Any]:
@@ -81,7 +103,7 @@ def server_info(args: Any) -> Dict[str, Any]:
 def effective_info(args: Any) -> Dict[str, Any]:
     """``_info`` with each plugin's ``options``: ``{flag: value}`` as parsed, with
     what its ``status_options`` hook says they resolved to (asked each time)."""
-    resolved = plugins.each("status_options")
+    resolved = plugins.each("status_options", args=args)
     rows = []
     for row in _info.get("plugins", []):
         flags = row.get("flags", {})

@@ -113,11 +113,72 @@ def install_model_hook() -> None:
                 # Leave model_key alone: load() compares it on every request.
                 self.draft_model = drafter
                 self.is_batchable = False
+                install_prompt_progress()
             return result
 
         return _load
 
     patching.wrap("server.model", provider, "_load", make)
+
+
+PROGRESS_S = 2.0  # how often a speculative prefill's progress is reported
+
+
+def install_prompt_progress() -> None:
+    """Prompt progress on the server's serial speculative path (owner ``server.model``).
+
+    mlx-lm's ``stream_generate`` drops ``prompt_progress_callback`` when it
+    has a draft model, so a drafter served one request at a time reported
+    nothing during a long prefill: no "Prompt processing progress" log
+    lines, no keepalives on a stream. ``mlx_lm.server.stream_generate`` gets
+    it back: while the first token is pending, a watcher reads how far the
+    target's cache has got and calls the server's own callback with
+    ``(processed, total)``, as mlx-lm's plain path does.
+    """
+    mod = sys.modules["mlx_lm.server"]
+
+    def make(original):
+        @functools.wraps(original)
+        def stream_generate(*args, **kwargs):
+            gen = original(*args, **kwargs)
+            progress, prompt = kwargs.get("prompt_progress_callback"), kwargs.get("prompt")
+            if kwargs.get("draft_model") is None or progress is None or prompt is None:
+                return gen
+            return _with_progress(gen, progress, kwargs.get("prompt_cache") or [], len(prompt))
+
+        return stream_generate
+
+    patching.wrap("server.model", mod, "stream_generate", make)
+
+
+def _with_progress(gen, progress, cache, total):
+    """``gen``'s items, with ``progress(n, total)`` at its start, every
+    ``PROGRESS_S`` while the cache fills, and at the first token."""
+    layer = next((c for c in cache if isinstance(getattr(c, "offset", None), int)), None)
+    start = layer.offset if layer is not None else 0
+    lock, done = threading.Lock(), threading.Event()
+
+    def watch():
+        last = 0
+        while not done.wait(PROGRESS_S):
+            n = min(max(layer.offset - start, 0), total - 1)
+            with lock:
+                if n != last and not done.is_set():
+                    progress(n, total)
+                    last = n
+
+    progress(0, total)
+    if layer is not None:
+        threading.Thread(target=watch, name="mlx_lm_ext-progress", daemon=True).start()
+    try:
+        for i, item in enumerate(gen):
+            if i == 0:
+                with lock:
+                    done.set()
+                progress(total, total)
+            yield item
+    finally:
+        done.set()
 
 
 # model id -> (weak reference to the model, factory from ``batch_generator``)

@@ -210,3 +210,29 @@ def test_flag_owner_finds_an_installed_plugin_without_registering_it(host, plugi
     assert host.flag_owner("--testplugin-mode", "generate", named=["testplugin"]) is None
     assert host.flag_owner("--no-such-flag", "generate") is None
     assert host.manager().get_plugin("testplugin") is None  # read, not registered
+
+
+def test_prompt_progress_follows_the_cache_while_the_first_token_is_pending(monkeypatch):
+    import time
+
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_lm_ext import serving
+
+    monkeypatch.setattr(serving, "PROGRESS_S", 0.02)
+    cache = [KVCache()]
+    cache[0].offset = 5  # tokens the prompt cache already held
+
+    def tokens():
+        for n in (10, 20, 30):
+            cache[0].offset = 5 + n  # the prefill filling the target's cache
+            time.sleep(0.3)
+        yield "first token"
+        yield "second token"
+
+    seen = []
+    out = list(serving._with_progress(tokens(), lambda *a: seen.append(a), cache, 40))
+    assert out == ["first token", "second token"]
+    assert seen[0] == (0, 40) and seen[-1] == (40, 40)  # as mlx-lm's own prefill reports
+    assert {(10, 40), (20, 40), (30, 40)} & set(seen[1:-1])
+    assert seen == sorted(seen) and seen.count((40, 40)) == 1

@@ -314,3 +314,142 @@ def test_no_status_turns_the_routes_off(smollm2_f32_path, plugin_dir, tmp_path):
         assert s.chat("Say hi.", max_tokens=2)["completion_tokens"] >= 1
     finally:
         s.stop()
+
+
+SERIAL_SRC = '''
+"""Test plugin: a drafter the server serves one request at a time, with its own loop."""
+import sys
+
+from mlx_lm_ext import hookimpl
+
+
+class Marker:
+    """The server's draft model: this plugin's speculative loop handles it."""
+
+    def make_cache(self):
+        return []
+
+
+@hookimpl
+def commands():
+    return ["server"]
+
+
+@hookimpl
+def add_arguments(command, group):
+    group.add_argument("--serial-dir", default=None, help="a folder (shown on /status)")
+    group.add_argument("--serial-width", type=int, default=None, help="unset: 4 when active")
+
+
+@hookimpl
+def make_drafter(command, model, tokenizer, draft_model, args):
+    return Marker()
+
+
+@hookimpl
+def speculative_generate_step(prompt, model, drafter, kwargs):
+    if not isinstance(drafter, Marker):
+        return None
+    # mlx-lm's plain loop without a progress callback, as a plugin's own loop is
+    gen = sys.modules["mlx_lm.generate"].generate_step
+    keep = ("max_tokens", "sampler", "logits_processors", "prompt_cache", "prefill_step_size")
+    args = {k: v for k, v in kwargs.items() if k in keep}
+    return ((int(t), lp, False) for t, lp in gen(prompt, model, **args))
+
+
+@hookimpl
+def status_options(args):
+    return {"serial_width": args.serial_width or 4}
+'''
+
+
+@pytest.fixture(scope="module")
+def serial_server(smollm2_f32_path, plugin_dir, tmp_path_factory):
+    """A server whose plugin's drafter runs on mlx-lm's serial speculative path."""
+    # the conftest's writer (under --import-mode=importlib it is no plain import)
+    write_plugin_dist = next(
+        m.write_plugin_dist
+        for k, m in list(sys.modules.items())
+        if k.rsplit(".", 1)[-1] == "conftest" and hasattr(m, "write_plugin_dist")
+    )
+    root = tmp_path_factory.mktemp("serialplugin")
+    write_plugin_dist(
+        root,
+        "mlx-lm-ext-serial",
+        "0.0.2",
+        {"mlx_lm_ext_serial": SERIAL_SRC},
+        {"serial": "mlx_lm_ext_serial"},
+    )
+    folder = tmp_path_factory.mktemp("serial-folder")
+    s = Server(
+        smollm2_f32_path,
+        tmp_path_factory.mktemp("serial") / "server.log",
+        os.pathsep.join([str(root), str(plugin_dir)]),
+        ["--plugin", "serial", "--serial-dir", str(folder), "--prefill-step-size", "16"],
+    )
+    s.folder = folder
+    yield s
+    s.stop()
+
+
+def test_start_up_line_names_the_plugins_and_the_status_url(serial_server):
+    log = serial_server.log_path.read_text()
+    line = next(ln for ln in log.splitlines() if "mlx-lm-ext:" in ln and "/status" in ln)
+    assert "serial 0.0.2" in line and f"{serial_server.url}/status" in line
+
+
+def test_a_serial_speculative_prefill_reports_progress(serial_server):
+    prompt = " ".join(f"item {i}," for i in range(120))
+    status, text = serial_server.post({"prompt": prompt, "max_tokens": 2}, path="/v1/completions")
+    assert status == 200, text
+    n = json.loads(text)["usage"]["prompt_tokens"]
+    log = serial_server.log_path.read_text()
+    # mlx-lm's own lines, which its speculative path never printed
+    assert f"Prompt processing progress: 0/{n}" in log
+    assert f"Prompt processing progress: {n}/{n}" in log
+
+
+def test_options_show_effective_values_and_paths_only_to_loopback(serial_server):
+    doc = json.loads(serial_server.get("/status.json")[1])
+    rows = {r[2]: r[1] for t in doc["tables"] for r in t["rows"]}
+    assert rows["option.serial.--serial-width"] == "4"  # unset: what it resolved to
+    assert rows["option.serial.--serial-dir"] == str(serial_server.folder)
+    assert doc["plugins"][0]["options"] == {
+        "--serial-dir": str(serial_server.folder),
+        "--serial-width": 4,
+    }
+    rebound = {"Host": f"attacker.example:{serial_server.port}"}
+    doc = json.loads(serial_server.request("/status.json", rebound)[2])
+    rows = {r[2]: r[1] for t in doc["tables"] for r in t["rows"]}
+    assert rows["option.serial.--serial-dir"] == "…/" + serial_server.folder.name
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium")
+def test_trend_charts_draw_lone_samples(monkeypatch):
+    from playwright.sync_api import sync_playwright
+
+    from mlx_lm_ext import status_page
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    history = status_page.History()
+    # lookups only now and then: each hit rate sits between gaps
+    for i, (hits, lookups) in enumerate([(0, 0), (1, 1), (1, 1), (2, 2), (2, 2), (2, 3)]):
+        history.add(5.0 * i, {"h_total": hits, "l_total": lookups})
+    info = {"model": "m", "names": [], "plugins": []}
+    doc = status_page.summary(info, None, history, [("Hit rate", "h_total", "l_total", "")])
+    assert [v for _, v in doc["charts"][0]["points"]] == [1.0, None, 1.0, None, 0.0]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.set_content(status_page.page(doc))
+            page.wait_for_selector("[data-chart='Hit rate'] svg")
+            marks = page.eval_on_selector(
+                "[data-chart='Hit rate'] svg",
+                # what shows: a one-point line has an empty box, a dot does not
+                "s => [...s.querySelectorAll('circle, polyline')]"
+                ".filter(e => e.getBoundingClientRect().width > 0).length",
+            )
+        finally:
+            browser.close()
+    assert marks == 3  # one mark per lone sample
