@@ -565,23 +565,25 @@ def _pair_set(n, seed=0, name="train.jsonl"):
     return pairs.PairDataset(out, name)
 
 
-def test_reference_pass_reads_only_the_given_splits_in_batches_by_length():
+def test_reference_pass_reads_only_the_given_splits_in_batches_by_length(monkeypatch):
     model = _model("llama")
     token_logps = preference.make_token_logps(model, backend="mlx")
-    calls = []
+    batches, collate = [], pairs.collate
 
-    def counting(model, prompts, plens, responses):
-        calls.append(plens.tolist())
-        return token_logps(model, prompts, plens, responses)
+    def recording(chunk):
+        batches.append([len(p.prompt) for p in chunk])
+        return collate(chunk)
 
+    monkeypatch.setattr(pairs, "collate", recording)
     train, other = _pair_set(7), _pair_set(3, seed=1, name="test.jsonl")
-    assert preference.reference(model, counting, [train], batch_size=3) == 7
+    assert preference.reference(model, token_logps, [train], batch_size=3) == 7
+    monkeypatch.setattr(pairs, "collate", collate)
     assert all(p.ref is not None for p in train.pairs)
     assert all(p.ref is None for p in other.pairs)  # not given: not computed
-    assert [len(c) for c in calls] == [3, 3, 1]
-    flat = [n for c in calls for n in c]
+    assert [len(c) for c in batches] == [3, 3, 1]
+    flat = [n for c in batches for n in c]
     assert flat == sorted(flat)  # pairs of similar length share a batch
-    # each pair's reference equals its own log-probs computed alone
+    # each pair's reference equals its own log-probs computed alone, without adapters
     for pair in train.pairs[:3]:
         prompts, plens, responses, rlens, _ = pairs.collate([pair])
         seq = preference.sequence_logps(token_logps(model, prompts, plens, responses), rlens)
