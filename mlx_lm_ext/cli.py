@@ -89,15 +89,6 @@ def _hook_installed():
     return None
 
 
-def _backend(mx):
-    if mx.metal.is_available():
-        return "Metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "CUDA"
-    return "CPU"
-
-
 def _blas_report(mx):
     """On Linux CPU: which BLAS MLX uses, and a measured float32 GFLOP/s."""
     with open("/proc/self/maps") as f:
@@ -134,8 +125,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     lines.append(
         ("mlx-lm", compat.mlx_lm_version() + (f"  ({problem})" if problem else "  (supported)"))
     )
-    backend = _backend(mx)
+    from . import models
+
+    backend = models.backend()
     lines.append(("backend", f"{backend} (default device {mx.default_device()})"))
+    fast = models.fast_model(backend)
+    why = (
+        "float32: MLX's CPU kernels for 4-bit weights are much slower"
+        if backend == "CPU"
+        else "4-bit"
+    )
+    lines.append(("fast offline model", f"{fast} ({why}; mlx-lm-ext model {fast})"))
     pth = _hook_installed()
     if pth and _boot.active():
         hook = f"active ({pth})"

@@ -105,6 +105,26 @@ def models_dir(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
     return cache_root(cache_dir) / "models"
 
 
+def backend() -> str:
+    """MLX's backend here: ``"Metal"``, ``"CUDA"`` or ``"CPU"``."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "Metal"
+    cuda = getattr(mx, "cuda", None)
+    return "CUDA" if cuda is not None and cuda.is_available() else "CPU"
+
+
+def fast_model(on: Optional[str] = None) -> str:
+    """The offline model that runs fastest on backend ``on`` (default: this
+    machine's). On a GPU, the 4-bit one (MLX's quantized kernels there are
+    fast, and it moves a quarter of the bytes); on a CPU, the float32 one:
+    MLX's CPU kernel for quantized matmuls is many times slower than a
+    float32 matmul through BLAS, at prefill and in training above all
+    (``benchmarks/results/`` has the figures)."""
+    return "smollm2-135m" if (on or backend()) in ("Metal", "CUDA") else "smollm2-135m-f32"
+
+
 def build(
     name: str,
     cache_dir: Optional[Union[str, os.PathLike]] = None,
