@@ -95,3 +95,31 @@ def test_a_folder_swapped_for_a_link_is_never_written_through(tiny_model, tmp_pa
     assert sum("stays in memory only" in r.message for r in caplog.records) == 1
     assert again.candidates([1, 5, 6, 7]) != []
     corpus_store.flush(forget=True)
+
+
+def test_saved_when_the_plugin_is_deactivated_or_the_model_dropped(tiny_model, tmp_path):
+    import gc
+
+    import mlx_lm_ext
+
+    model, _ = load(str(tiny_model("llama")))
+    root = tmp_path / "corpus"
+    mlx_lm_ext.enable("spec-decode")
+    sx._CORPORA.clear()
+    corpus = sx.corpus_for(model, "t", 1000, str(root))
+    corpus.add([5, 6, 7, 8, 9])  # the 30 s save is not due
+    path = corpus.after_add.__self__.path
+    assert not path.exists()
+    mlx_lm_ext.disable("spec-decode")
+    assert path.is_file()
+
+    other, _ = load(str(tiny_model("llama", seed=1)))
+    corpus = sx.corpus_for(other, "t", 1000, str(root))
+    corpus.add([1, 2, 3, 4])
+    path = corpus.after_add.__self__.path
+    del other
+    gc.collect()
+    assert path.is_file()
+    stored = sx.SuffixCorpus(1000)
+    corpus_store.load(path.read_bytes(), path.parent.name, stored)
+    assert stored.tokens_in_order().tolist() == corpus.tokens_in_order().tolist()
