@@ -9,7 +9,10 @@ A plugin is imported and registered only when a user names it
 (``--plugin NAME``, ``--loss NAME``, ``loss: NAME`` in a lora YAML config, or
 ``mlx_lm_ext.enable(NAME)``), so an installed plugin that is not named changes
 nothing. The exceptions are ``add_subcommands`` and ``doctor``, which the
-``mlx-lm-ext`` command calls on every installed plugin.
+``mlx-lm-ext`` command calls on every installed plugin, and ``commands``,
+``add_arguments`` and ``loss_names``, read from a plugin's module without
+registering it: to say which plugin owns a flag given without its
+``--plugin`` (``plugins.flag_owner``) and which provides a ``--loss``.
 
 ``command`` is one of ``"generate"``, ``"server"``, ``"lora"`` (mlx-lm's
 commands) or ``"python"`` (``mlx_lm_ext.enable`` from user code).

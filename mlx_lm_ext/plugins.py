@@ -112,21 +112,23 @@ def unknown_loss_message(loss: str) -> str:
     return text
 
 
-def flag_owner(flag: str, command: str, named: Iterable[str] = ()) -> Optional[str]:
-    """The installed plugin, not among ``named``, whose flags for ``command``
-    include ``flag`` (read from its module without registering it)."""
+def flag_owner(flag: str, command: str, named: Iterable[str] = ()) -> Optional[Tuple[str, str]]:
+    """``(plugin, its command)``: the installed plugin, not among ``named``, with
+    ``flag`` for ``command`` (else for a command it does extend); read from its
+    module without registering it."""
     for name in sorted(set(installed()) - set(named)):
-        if command not in extends(name):
-            continue
-        parser = argparse.ArgumentParser(add_help=False)
-        try:
-            add = getattr(installed()[name].load(), "add_arguments", None)
-            if callable(add):
-                add(command=command, group=parser.add_argument_group(name))
-        except Exception:  # a broken plugin is no owner (mlx-lm-ext plugins says why)
-            continue
-        if any(flag in a.option_strings for a in parser._actions):
-            return name
+        cmds = extends(name)
+        for cmd in sorted(cmds, key=lambda c: c != command):  # ``command`` first
+            parser = argparse.ArgumentParser(add_help=False)
+            try:
+                module = installed()[name].load()
+                add = getattr(module, "add_arguments", None)
+                if callable(add):
+                    add(command=cmd, group=parser.add_argument_group(name))
+            except Exception:  # a broken plugin is no owner (mlx-lm-ext plugins says why)
+                break
+            if any(flag in a.option_strings for a in parser._actions):
+                return name, cmd
     return None
 
 
@@ -136,10 +138,17 @@ def unrecognized(
     """Exit 2 for arguments ``parser`` does not know, naming the plugin a flag belongs to."""
     for arg in extra:
         flag = arg.split("=", 1)[0]
-        owner = flag_owner(flag, command, named) if flag.startswith("--") else None
-        if owner is not None:
-            dist, _ = distribution(owner)
-            fail(f"{flag} belongs to plugin {owner} (package {dist}): add --plugin {owner}")
+        found = flag_owner(flag, command, named) if flag.startswith("--") else None
+        if found is None:
+            continue
+        owner, cmd = found
+        dist, _ = distribution(owner)
+        where = f"{flag} belongs to plugin {owner} (package {dist})"
+        if cmd != command:
+            fail(f"{where}, which extends mlx_lm.{cmd}, not mlx_lm.{command}")
+        if command == "lora" and callable(getattr(installed()[owner].load(), "make_loss", None)):
+            fail(f"{where}: add --loss {owner} (or --plugin {owner})")
+        fail(f"{where}: add --plugin {owner}")
     parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
 

@@ -246,7 +246,8 @@ def option_tables(info: Dict[str, Any]) -> List[Dict[str, Any]]:
             [flag, fmt_option(v), f"option.{p['name']}.{flag}"]
             for flag, v in sorted((p.get("options") or {}).items())
         ]
-        out.append({"title": f"Options: {p['name']}", "rows": rows or [["none", "-", "none"]]})
+        if rows:  # a plugin without flags has no table
+            out.append({"title": f"Options: {p['name']}", "rows": rows})
     return out
 
 

@@ -206,7 +206,7 @@ def test_unknown_loss_names_the_plugin_and_package_to_install(host, monkeypatch,
 
 
 def test_flag_owner_finds_an_installed_plugin_without_registering_it(host, plugin_log):
-    assert host.flag_owner("--testplugin-mode", "generate") == "testplugin"
+    assert host.flag_owner("--testplugin-mode", "generate") == ("testplugin", "generate")
     assert host.flag_owner("--testplugin-mode", "generate", named=["testplugin"]) is None
     assert host.flag_owner("--no-such-flag", "generate") is None
     assert host.manager().get_plugin("testplugin") is None  # read, not registered
@@ -236,3 +236,43 @@ def test_prompt_progress_follows_the_cache_while_the_first_token_is_pending(monk
     assert seen[0] == (0, 40) and seen[-1] == (40, 40)  # as mlx-lm's own prefill reports
     assert {(10, 40), (20, 40), (30, 40)} & set(seen[1:-1])
     assert seen == sorted(seen) and seen.count((40, 40)) == 1
+
+
+SERVER_FLAG_SRC = """
+from mlx_lm_ext import hookimpl
+
+
+@hookimpl
+def commands():
+    return ["server"]
+
+
+@hookimpl
+def add_arguments(command, group):
+    group.add_argument("--flagged-dir", default=None)
+"""
+
+
+def test_a_flag_for_another_command_says_which_command(host, tmp_path, monkeypatch, capsys):
+    writer = next(
+        m.write_plugin_dist
+        for k, m in list(sys.modules.items())
+        if k.rsplit(".", 1)[-1] == "conftest" and hasattr(m, "write_plugin_dist")
+    )
+    writer(
+        tmp_path,
+        "mlx-lm-flagged",
+        "0.3",
+        {"mlx_lm_flagged": SERVER_FLAG_SRC},
+        {"flagged": "mlx_lm_flagged"},
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert host.flag_owner("--flagged-dir", "generate") == ("flagged", "server")
+    with pytest.raises(SystemExit) as e:
+        host.unrecognized(argparse.ArgumentParser(), ["--flagged-dir", "x"], "generate", [])
+    assert e.value.code == 2
+    assert (
+        "--flagged-dir belongs to plugin flagged (package mlx-lm-flagged), "
+        "which extends mlx_lm.server, not mlx_lm.generate"
+    ) in capsys.readouterr().err
+    sys.modules.pop("mlx_lm_flagged", None)
