@@ -81,8 +81,8 @@ def target_path(args: argparse.Namespace, dtype: str = "float32"):
     return standin.build(args.standin, layers=args.standin_layers, dtype=dtype)
 
 
-def load_assistant(args: argparse.Namespace, path, target):
-    """``assistant.load(path, target)``; for a stand-in, checked against SmolLM2 instead.
+def load_assistant(args: argparse.Namespace, path, target, **options):
+    """``assistant.load(path, target, **options)``; for a stand-in, checked against SmolLM2.
 
     A drafter trained on SmolLM2 is refused for the stand-in (its config
     differs), yet reads the same thing from it: the stand-in's first layers'
@@ -95,11 +95,12 @@ def load_assistant(args: argparse.Namespace, path, target):
     from mlx_lm_spec_decode import target as target_mod
 
     if not args.standin:
-        return assistant.load(path, target)
+        return assistant.load(path, target, **options)
     cfg = assistant.read_config(path)
     base, _ = load(str(models.build(BASE, progress=False)))
     assistant.check_fingerprint(cfg.target, assistant.fingerprint(base), where=str(path))
     if max(cfg.donors) >= len(base.layers):
         raise assistant.AssistantError(f"{path}: donor layers {cfg.donors} outside SmolLM2's")
     net = assistant.load_net(path, cfg)
-    return assistant.AssistantDrafter(target, net, cfg, split=target_mod.split(target))
+    split = target_mod.split(target)
+    return assistant.AssistantDrafter(target, net, cfg, split=split, **options)
