@@ -276,3 +276,19 @@ def test_a_flag_for_another_command_says_which_command(host, tmp_path, monkeypat
         "which extends mlx_lm.server, not mlx_lm.generate"
     ) in capsys.readouterr().err
     sys.modules.pop("mlx_lm_flagged", None)
+
+
+def test_spec_decode_reports_what_its_unset_flags_resolve_to(host, monkeypatch):
+    """The page once showed ``drafter=None, draft_max=None`` while ngram with 10 ran."""
+    pytest.importorskip("mlx_lm_spec_decode")
+    from mlx_lm_ext import monitoring
+
+    args = host.defaults("spec-decode", "server")
+    args.draft_model, args.num_draft_tokens = None, None  # mlx-lm's own flags, unset
+    host.activate("spec-decode", "server", args)
+    monkeypatch.setattr(monitoring, "_info", monitoring.server_info(args))
+    row = monitoring.effective_info(args)["plugins"][0]
+    assert row["name"] == "spec-decode" and row["dist"] == "mlx-lm-spec-decode"
+    opts = row["options"]
+    assert (opts["--drafter"], opts["--draft-max"], opts["--num-draft-tokens"]) == ("ngram", 10, 3)
+    assert opts["--ngram-max"] == 4  # a flag with a real default keeps its parsed value
