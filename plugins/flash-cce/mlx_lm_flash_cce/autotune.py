@@ -356,14 +356,13 @@ def _stock_verdict(spec, n, dtype, nbytes, include_stock) -> Tuple[bool, bool, O
     need = stock_bytes(n, spec.vocab, dtype)
     if not include_stock:
         return False, False, "stock: not asked for (flash paths only)"
+    if need > nbytes:
+        return False, _stock_reference(spec, n, dtype), f"stock: needs ~{_budget.format_size(need)}"
     if spec.kind == "quantized" and not _budget.is_async_gpu():
         # MLX's CPU quantized_matmul is much slower than the dequantized BLAS
         # blocks the pure-MLX path uses: timing it would cost more than it tells.
         return False, False, "stock: not timed (MLX's quantized matmul is slow on the CPU)"
-    if need <= nbytes:
-        return True, False, None
-    why = f"stock: needs ~{_budget.format_size(need)}"
-    return False, _stock_reference(spec, n, dtype), why
+    return True, False, None
 
 
 def shortlist(

@@ -53,7 +53,7 @@ class Plan(NamedTuple):
     path: Path
     opts: portable.Options  # with the candidate's blocks
     limit_mib: int = 0  # MLX's memory limit above the inputs to hold (GPU), 0: none
-    floor: int = 0  # ... and no lower than this (the default budget's device floor)
+    explicit_budget: bool = False  # the user's budget: the limit is held that tight
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -150,13 +150,13 @@ def select(
     from mlx_lm_ext import PluginError
 
     opts = opts._replace(elementwise=req.step)
-    floor = 0 if nbytes else _budget.device_floor()
+    explicit = nbytes is not None
     path = _fixed(req, spec, h.shape[0], min_flash_elements)
     if path is not None:
         why = backends.refuses(path, spec, h, opts)
         if why is not None:
             raise PluginError(f"flash-cce path {path.value!r} cannot run this call here: {why}")
-        return Plan(path, opts, _limit(path, opts), floor)
+        return Plan(path, opts, _limit(path, opts), explicit)
     runnable = [p for p in FLASH if backends.refuses(p, spec, h, opts) is None]
     tunable = not (spec.bias is not None or spec.has_lora or opts.vocab_chunk)
     if not tunable or opts.filter_eps is not None or opts.block_skip_eps is not None:
@@ -172,7 +172,7 @@ def select(
         cand = autotune.choose(
             spec, n, hid, h.dtype, nbytes, opts, run_choice, include_stock=auto, runnable=runnable
         )
-    return Plan(cand.path, _with_blocks(cand, opts), cand.limit_mib, floor)
+    return Plan(cand.path, _with_blocks(cand, opts), cand.limit_mib, explicit)
 
 
 def run(
@@ -184,5 +184,6 @@ def run(
 ) -> mx.array:
     """Per-token loss ``[N]`` of ``spec`` on ``h`` by ``plan``'s path (and its memory limit)."""
     if plan.limit_mib and _budget.is_async_gpu():
-        _budget.LIMIT.hold(plan.limit_mib * MIB, plan.floor)
+        floor = 0 if plan.explicit_budget else _budget.device_floor()
+        _budget.LIMIT.hold(plan.limit_mib * MIB, floor)
     return backends.per_token(plan.path)(spec, h, t, plan.opts, train)
