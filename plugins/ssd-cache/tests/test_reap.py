@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_ext import safefs
-from mlx_lm_ssd_cache import SSDPromptCache, disk
+from mlx_lm_ssd_cache import SSDPromptCache
 
 # Holds a temp file open (and so locked) until its stdin closes: a write
 # under way in another process.
@@ -76,7 +76,7 @@ def scan(tmp_path, key, tokens):
 
 def test_a_write_under_way_in_another_pid_namespace_survives_a_scan(tiny, tmp_path):
     space, key, tokens = stored_space(tiny, tmp_path)
-    live = space / f".{'a' * 32}.safetensors.{disk.HOST}.{unseen_pid()}.abcd.tmp"
+    live = space / f".{'a' * 32}.safetensors.{safefs.HOST}.{unseen_pid()}.abcd.tmp"
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(space), live.name],
         stdin=subprocess.PIPE,
@@ -97,7 +97,7 @@ def test_a_write_under_way_in_another_pid_namespace_survives_a_scan(tiny, tmp_pa
 
 def test_an_unlocked_temp_file_is_reaped_after_the_grace_period(tiny, tmp_path):
     space, key, tokens = stored_space(tiny, tmp_path)
-    name = f".{'b' * 32}.safetensors.{disk.HOST}.{unseen_pid()}.abcd.tmp"
+    name = f".{'b' * 32}.safetensors.{safefs.HOST}.{unseen_pid()}.abcd.tmp"
     (space / name).write_bytes(b"a dead write")  # just now: it may be a writer's first moment
     scan(tmp_path, key, tokens)
     assert (space / name).exists()
