@@ -206,3 +206,12 @@ def test_standin_is_deterministic_and_cached(built, tmp_path):
         other["model.layers.7.mlp.gate_proj.weight"][:1536],
     ).item()
     assert not mx.any(memory["model.layers.7.mlp.down_proj.weight"][:, 1536:]).item()
+
+
+@pytest.mark.slow
+def test_in_memory_standin_has_the_requested_size(base_config):
+    model, _ = standin.load("250M", layers=1)
+    assert len(model.layers) == 31
+    count = _n_params(model)
+    assert count == standin.param_count(standin.plan(base_config, "250M", layers=1))
+    assert abs(count - 250e6) <= 0.005 * 250e6
