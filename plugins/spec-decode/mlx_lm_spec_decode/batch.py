@@ -25,8 +25,11 @@ per batch size from measured step and round times. Behind a plain step the
 pending tokens are still on the device, so the decision drafts from the
 tokens already emitted (the first draft a guess at the pending token) and
 reads nothing back: a declined decision costs the drafters' lookups, which
-overlap the step in flight, and mlx-lm's pipeline keeps running. Only a
-round waits for the pending tokens. Declined proposals are scored against
+overlap the step in flight, and mlx-lm's pipeline keeps running. A round
+chosen there (rows without logits processors, chains) is built on the
+pending tokens as they are on the device, so its graph is built while the
+step runs and it reads them back with its own results; otherwise the round
+reads them first and drafts again from them. Declined proposals are scored against
 what the plain steps emit (``Row.check``), so each row's acceptance is
 known without a round. When no row has anything to propose, plain steps
 run in doubling runs; a plain step is mlx-lm's own with no Python work per
@@ -229,6 +232,7 @@ class SpecGenerationBatch(GenerationBatch):
         gmax, d = self.spec.ctl.gmax, self.spec.drafter
         for i, row in enumerate(self.rows):
             room = min(gmax, self.max_tokens[i] - self._num_tokens[i] - 1)
+            room += pending is None  # the guess at the pending token comes first
             history = self.tokens[i] + ([pending[i]] if pending is not None else [])
             if row.guess:
                 row.check(history)
@@ -290,21 +294,38 @@ class SpecGenerationBatch(GenerationBatch):
         gamma = self._decide(B, drafts, pending is None)
         if gamma == 0:
             return self._plain()
+        self.prompt_cache = caches
+        if pending is None and self._ahead_ok(use_trees):
+            # The round's window starts with the pending tokens as they are
+            # on the device: its graph is built while the step in flight
+            # runs, and the drafts after each row's guess are verified
+            # whether or not the guess was right (a wrong one rejects them).
+            # The call's time less a plain step's is the round's.
+            t0 += spec.ctl.plain_cost(B) or 0.0
+            return self._round(None, [d[1 : 1 + gamma] for d in drafts], [None] * B, t0)
         if pending is None:
             pending = read_back(self._next_tokens)
             t0 = time.perf_counter()
             self.last_plain_b = 0  # the next plain step does not overlap this one's forward
             drafts, trees = self._propose(pending, use_trees)
-            if not any(drafts):
+            gamma = self._decide(B, drafts, False)  # on the drafts the round would verify
+            if gamma == 0:
                 return self._plain()
-        self.prompt_cache = caches
         return self._round(pending, [d[:gamma] for d in drafts], trees, t0)
+
+    def _ahead_ok(self, use_trees: bool) -> bool:
+        """Whether a round may start before the pending tokens are read:
+        not for rows whose logits processors read each window's tokens,
+        nor while token trees (built on the pending token) may pay."""
+        if any(self.logits_processors):
+            return False
+        return not (use_trees and self.spec.ctl.trees_pay(len(self.uids)))
 
     def _decide(self, B: int, drafts: List[List[int]], ahead: bool) -> int:
         """The round's draft length from the rows' proposals (0: plain steps,
         and how many before the next decision). ``ahead``: the proposals
         start at the pending token (their first is a guess at it)."""
-        lengths = [len(d) for d in drafts]
+        lengths = [max(0, len(d) - ahead) for d in drafts]
         if not any(lengths):
             # Nothing to propose: a plain step, and after a few in a row
             # (open text) pipelined runs that double (2, 4, 8 steps).
@@ -342,15 +363,32 @@ class SpecGenerationBatch(GenerationBatch):
         return out
 
     def _round(
-        self, pending: List[int], drafts: List[List[int]], trees: List[Any], t0: float
+        self,
+        pending: Optional[List[int]],
+        drafts: List[List[int]],
+        trees: List[Any],
+        t0: float,
     ) -> List[GenerationBatch.Response]:
-        """One verify forward over every row's window, then per-row emission."""
+        """One verify forward over every row's window, then per-row emission.
+        Without ``pending`` the windows start with the pending tokens still
+        on the device, read back with the round's results."""
         B = len(self.uids)
         self.idle = 0
-        windows, parents, sizes = self._windows(pending, drafts, trees)
+        ahead = pending is None
+        windows, parents, sizes = self._windows(pending or [0] * B, drafts, trees)
         W = len(windows[0])
+        inputs = mx.array(windows, mx.uint32)
+        if ahead:
+            first = self._next_tokens.reshape(B, 1).astype(mx.uint32)
+            inputs = mx.concatenate([first, inputs[:, 1:]], axis=1)
         branching = [not tree_mod.is_chain(p[:n]) for p, n in zip(parents, sizes, strict=True)]
-        lps, paths, targets, rejected = self._check(windows, parents, sizes, drafts, branching)
+        lps, paths, targets, rejected = self._check(
+            inputs, windows, parents, sizes, drafts, branching
+        )
+        if ahead:
+            pending = read_back(self._next_tokens)  # evaluated with the round
+            for w, tok in zip(windows, pending, strict=True):
+                w[0] = tok
         accepted = [len(p) - 1 for p in paths]
         emitted, finish = self._cut(windows, paths)
         keep_paths(self.prompt_cache, W, paths)
@@ -369,7 +407,8 @@ class SpecGenerationBatch(GenerationBatch):
             responses.extend(self._responses(i, toks, row_lps, finish[i], cache))
             if finish[i] is None:
                 keep.append(i)
-                kept = [windows[i][j] for j in paths[i][1:]] + [targets[i]]
+                # Ahead, the drafter holds the tokens before the pending one.
+                kept = [windows[i][j] for j in paths[i][0 if ahead else 1 :]] + [targets[i]]
                 self._guard(row, self.spec.drafter.accept, row.ctx, kept, a)
                 row.told = len(self.tokens[i]) + 1
         self._current_tokens = mx.array(pending, mx.uint32)
@@ -409,6 +448,7 @@ class SpecGenerationBatch(GenerationBatch):
 
     def _check(
         self,
+        inputs: mx.array,
         windows: List[List[int]],
         parents: List[List[int]],
         sizes: List[int],
@@ -428,12 +468,13 @@ class SpecGenerationBatch(GenerationBatch):
         policy = target_mod.attention_policy()
         policy = "explicit" if policy == "padded" else policy  # padded: plain caches only
         if any(branching):
+            # Trees are built on known pending tokens: the windows are the inputs.
             logits = batch_tree.forward(self.model, self.prompt_cache, windows, parents, policy)
             return batch_tree.verify(
                 logits, windows, parents, sizes, rules, self.logits_processors, contexts
             )
         with target_mod.verify_attention(self.model, W, policy):
-            logits = self.model(mx.array(windows, mx.uint32), cache=self.prompt_cache)
+            logits = self.model(inputs, cache=self.prompt_cache)
         lps, accepted, targets = verify(
             logits, windows, drafts, rules, self.logits_processors, contexts
         )

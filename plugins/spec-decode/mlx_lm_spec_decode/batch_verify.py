@@ -193,6 +193,11 @@ class BatchController:
             q.clear()  # a fresh reading: the machine's load changes
         q.append(seconds)
 
+    def plain_cost(self, B: int) -> Optional[float]:
+        """Seconds of a plain step at this batch size (or the nearest measured)."""
+        near = self._near(self.plain, B, 1)
+        return median(self.plain[near]) if near is not None else None
+
     def verify_round(
         self, B: int, width: int, seconds: float, tree: bool = False, tokens: int = 0
     ) -> None:

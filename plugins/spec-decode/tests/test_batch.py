@@ -104,6 +104,29 @@ def test_greedy_rows_match_stock_tokens_and_caches(llama, monkeypatch, compact_a
     assert any(s.drafted > s.accepted for s in rows)
 
 
+def test_rounds_built_before_the_pending_tokens_are_read_match_stock(llama, monkeypatch):
+    """Without logits processors or trees a round after a plain step starts
+    from the pending tokens still on the device; outputs and caches stay
+    stock's, and those rounds read the pending tokens only with their results."""
+    from mlx_lm_spec_decode import batch as batch_mod
+
+    model, tok = llama
+    prompts = prompts_of(tok)
+    stop = drive(BatchGenerator(model), prompts, [40, 25, 60])[1][0][11]
+    kw = dict(stop_sequences=[StopSequences(), StopSequences([[stop]]), StopSequences()])
+    late = (3, tok.encode("late " + TEXT * 2), 17)
+    stock = drive(BatchGenerator(model), prompts, [40, 25, 60], late, **kw)
+    reads = []
+    monkeypatch.setattr(batch_mod, "read_back", lambda a: reads.append(1) or a.tolist())
+    gen = SpecBatchGenerator(model, NGramDrafter(n_min=1, auto_off=False, tree=False), 4, 10)
+    rows = closed_stats(gen)
+    ours = drive(gen, prompts, [40, 25, 60], late, **kw)
+    assert_same(stock, ours)
+    assert {r[1] for r in ours} == {"length", "stop"}
+    assert sum(s.accepted for s in rows) > 0 and any(s.drafted > s.accepted for s in rows)
+    assert 0 < len(reads) <= sum(s.draft_rounds for s in rows)
+
+
 def test_declined_rounds_decode_as_stock(llama, monkeypatch):
     """Where the controller declines every round, the rows draft from the
     tokens already emitted without waiting for the pending ones (mlx-lm's
