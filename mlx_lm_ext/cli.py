@@ -171,33 +171,26 @@ def cmd_model(args: argparse.Namespace) -> int:
     if args.name not in names:
         plugins.fail(f"unknown model '{args.name}' (models: {', '.join(names)})")
     options = {"size": args.size, "layers": args.layers, "dtype": args.dtype, "seed": args.seed}
-    if args.name != standin.NAME:
-        given = [f"--{k}" for k, v in options.items() if v is not None]
-        if given:
-            plugins.fail(f"{', '.join(given)}: only for {standin.NAME}")
-    elif args.size is None:
+    given = [f"--{k}" for k, v in options.items() if v is not None]
+    if args.name != standin.NAME and given:
+        plugins.fail(f"{', '.join(given)}: only for {standin.NAME}")
+    if args.name == standin.NAME and args.size is None:
         plugins.fail(f"{standin.NAME} needs --size (e.g. --size 1B, 3B or 10B)")
-    else:
-        try:  # input errors (size, layers, dtype) before any work
-            standin.request(
-                args.size,
-                layers=args.layers or 0,
-                dtype=args.dtype or "bfloat16",
-                seed=args.seed or 0,
-            )
-        except models.ModelError as e:
-            plugins.fail(str(e))
+    request = {
+        "layers": args.layers or 0,
+        "dtype": args.dtype or "bfloat16",
+        "seed": args.seed or 0,
+    }
     try:
-        if args.name == standin.NAME:
-            path = standin.build(
-                args.size,
-                layers=args.layers or 0,
-                dtype=args.dtype or "bfloat16",
-                seed=args.seed or 0,
-                progress=not args.quiet,
-            )
-        else:
+        if args.name != standin.NAME:
             path = models.build(args.name, progress=not args.quiet)
+        else:
+            meta = models.read_gguf(models.gguf_path())[1]
+            try:  # input errors (size, layers, seed) before any work
+                standin.request(args.size, meta=meta, **request)
+            except models.ModelError as e:
+                plugins.fail(str(e))
+            path = standin.build(args.size, progress=not args.quiet, **request)
     except (OSError, RuntimeError, ValueError) as e:
         plugins.fail(str(e), status=1)
     print(path)
