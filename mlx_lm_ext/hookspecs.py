@@ -128,7 +128,10 @@ def make_drafter(
     ``generate`` as ``draft_model``; in the server it goes to the batched
     path when ``batch_generator`` takes it, else it becomes the model
     provider's draft model (serving then runs one request at a time) and
-    reaches ``speculative_generate_step`` below.
+    reaches ``speculative_generate_step`` below. From Python (``command``
+    ``"python"``, ``args`` None: the plugin reads its ``options``) it is
+    asked at each ``stream_generate`` call, with the call's own
+    ``draft_model``; ``None`` keeps that one as it is.
     """
 
 
