@@ -131,3 +131,36 @@ def test_without_verify_nothing_built_on_an_unchecked_restore_is_stored(smollm, 
     assert cache is None and rest == prompt
     assert entries(root) == [] and store.disk_stats()["removed_corrupt"] == 1
     store.close()
+
+
+def test_real_server_corrupt_entry_changes_no_later_answer(servers, smollm, tmp_path):
+    """As filed: ``mlx_lm.server --prompt-cache-size 1``, every entry's tensors overwritten."""
+    model, _, key = smollm
+
+    def ask(server, question):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        reply = server.chat("", max_tokens=10, messages=messages)
+        return reply["choices"][0]["message"]["content"]
+
+    def run(directory, name, questions, *flags):
+        flags = ["--prompt-cache-size", "1", *flags]
+        s = servers(key[0], directory, tmp_path / f"{name}.log", extra=flags).wait_ready()
+        answers = [ask(s, q) for q in questions]
+        s.stop()  # Ctrl-C: pending writes are flushed at exit
+        return answers
+
+    later = ["What is the capital of France?", "Which river flows through Vienna?"]
+    wants = run(tmp_path / "empty", "plain", later)  # nothing to restore: prefills only
+    root = tmp_path / "cache"
+    run(root, "first", ["Which country is Lyon in?"])
+    bad = entries(root)
+    assert bad
+    for path in bad:
+        corrupt_tensors(path)
+    run(root, "unchecked", later, "--no-ssd-cache-verify")  # answers may be wrong
+    assert entries(root) == bad  # but nothing built on them was stored
+    assert run(root, "second", later) == wants
+    assert run(root, "third", later[::-1]) == wants[::-1]  # what the second one stored
+    assert not set(bad) & set(entries(root))
+    for path in entries(root):
+        assert_clean(model, path)
