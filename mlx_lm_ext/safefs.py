@@ -428,11 +428,13 @@ def write_file(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
         os.fsync(dir_fd)
 
 
-def reap(dir_fd: int, name: str, grace: float = REAP_GRACE) -> bool:
+def reap(
+    dir_fd: int, name: str, grace: float = REAP_GRACE, unsure_grace: float = REAP_OTHER_HOST
+) -> bool:
     """Remove the temp file ``name`` if its writer is gone; True if removed.
 
     Gone means: nobody holds the file's lock and it was untouched for
-    ``grace`` seconds (``REAP_OTHER_HOST`` for another host's file, or where
+    ``grace`` seconds (``unsure_grace`` for another host's file, or where
     the lock cannot be tested). The pid in the name is not looked at. A link
     or anything but a regular file is left alone.
     """
@@ -448,7 +450,7 @@ def reap(dir_fd: int, name: str, grace: float = REAP_GRACE) -> bool:
         if not stat.S_ISREG(st.st_mode):
             return False
         if locked is None or not of_this_host(name):
-            grace = max(grace, REAP_OTHER_HOST)
+            grace = max(grace, unsure_grace)
         if time.time() - st.st_mtime <= grace:
             return False
         now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)

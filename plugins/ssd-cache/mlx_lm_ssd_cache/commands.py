@@ -331,15 +331,29 @@ def _confirm(n: int, nbytes: int) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
+def _remove(fd: int, name: str) -> Optional[bool]:
+    """Remove one planned file; None for an unfinished write still under way.
+
+    A temp file goes at once if nobody holds its lock (its writer is gone),
+    never while one does, however old: clearing must not pull a live
+    server's write from under it.
+    """
+    if safefs.TEMP.fullmatch(name):
+        return True if safefs.reap(fd, name, grace=0.0, unsure_grace=0.0) else None
+    return safefs.unlink(fd, name)
+
+
 def _delete(root: Path, plan) -> Tuple[int, int, int]:
     """Remove exactly the planned files: ``(removed, bytes, failures)``."""
-    n = nbytes = failed = 0
+    n = nbytes = failed = live = 0
     for (fp, ns), items in plan.items():
         try:
             with safefs.open_space(root, fp, ns) as fd:
                 for name, size in items:
                     try:
-                        if safefs.unlink(fd, name):
+                        done = _remove(fd, name)
+                        live += done is None
+                        if done:
                             n, nbytes = n + 1, nbytes + size
                     except OSError as e:
                         failed += 1
@@ -350,6 +364,8 @@ def _delete(root: Path, plan) -> Tuple[int, int, int]:
             print(f"{PROG}: skipped {fp}/{ns}: {e}", file=sys.stderr)
             continue
         safefs.remove_space_if_empty(root, fp, ns)
+    if live:
+        print(f"left {live} unfinished write{'s' * (live != 1)} that a running server holds")
     return n, nbytes, failed
 
 
