@@ -116,3 +116,48 @@ def test_the_length_check_names_an_offender(tmp_path, monkeypatch):
     (pkg / "big.py").write_text(f"def big():\n{body}\n")
     monkeypatch.setitem(globals(), "PACKAGES", [pkg])
     assert long_functions() == {"mlx_lm_ext.big.big": MAX_FUNCTION_LINES + 2}
+
+
+def private_imports(known=None):
+    """``{plugin module: core modules it imports that are not public}``."""
+    public = set(_public_modules()) - {"mlx_lm_ext.testing"}  # testing: tests only
+    known = modules() if known is None else known
+    out = {}
+    for n, p in known.items():
+        if n.split(".")[0] == "mlx_lm_ext":
+            continue
+        core = {t for t in imports(n, p, known) if t.split(".")[0] == "mlx_lm_ext"}
+        if core - public:
+            out[n] = sorted(core - public)
+    return out
+
+
+def _public_modules():
+    # PUBLIC_MODULES read from api.py's source: this file imports nothing of ours.
+    tree = ast.parse((ROOT / "mlx_lm_ext" / "api.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "PUBLIC_MODULES" for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    raise AssertionError("mlx_lm_ext/api.py defines no PUBLIC_MODULES")
+
+
+def test_plugins_import_only_the_public_plugin_api():
+    assert private_imports() == {}, (
+        "plugin modules importing the host's private modules (use mlx_lm_ext.api): "
+        f"{private_imports()}"
+    )
+
+
+def test_the_private_import_check_names_an_offender(tmp_path):
+    pkg = tmp_path / "mlx_lm_fake"
+    pkg.mkdir()
+    (pkg / "plugin.py").write_text(
+        "from mlx_lm_ext.api import hookimpl\n"
+        "from mlx_lm_ext import safefs\n"
+        "def f():\n    from mlx_lm_ext import integration\n"
+    )
+    core = {n: p for n, p in modules().items() if n.split(".")[0] == "mlx_lm_ext"}
+    known = dict(core, **{"mlx_lm_fake.plugin": pkg / "plugin.py"})
+    assert private_imports(known) == {"mlx_lm_fake.plugin": ["mlx_lm_ext.integration"]}

@@ -401,7 +401,7 @@ def _only_line(what, only, out, nbytes) -> str:
 
 
 def _over_budget(what, nbytes, smallest, label="") -> Exception:
-    from mlx_lm_ext import PluginError
+    from mlx_lm_ext.api import PluginError
 
     measured = " measured" if label else ""
     return PluginError(
@@ -533,7 +533,7 @@ def choose(
     own schedule, so a collective per shape could pair up calls of
     different shapes, or wait forever.
     """
-    from mlx_lm_ext import PluginError
+    from mlx_lm_ext.api import PluginError
 
     strict = nbytes is not None
     if nbytes is None:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_lm_ext import backbone
+from mlx_lm_ext.api import backbone
 
 from . import api
 

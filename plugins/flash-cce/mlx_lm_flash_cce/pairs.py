@@ -33,7 +33,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from mlx_lm_ext import PluginError
+from mlx_lm_ext.api import PluginError
 
 log = logging.getLogger("mlx_lm_flash_cce")
 

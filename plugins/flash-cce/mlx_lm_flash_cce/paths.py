@@ -10,6 +10,6 @@ def cache_dir() -> Path:
     """``$MLX_LM_FLASH_CCE_CACHE``, else ``flash-cce/`` under the project's cache root."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    from mlx_lm_ext.models import cache_root
+    from mlx_lm_ext.api import cache_root
 
     return cache_root() / "flash-cce"

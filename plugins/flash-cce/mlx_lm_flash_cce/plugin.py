@@ -32,7 +32,7 @@ import logging
 import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mlx_lm_ext import PluginError, hookimpl
+from mlx_lm_ext.api import PluginError, hookimpl
 
 NAME = "flash-cce"
 PREFERENCE = ("orpo", "dpo", "ipo", "hinge", "simpo", "cpo")  # objectives.LOSSES

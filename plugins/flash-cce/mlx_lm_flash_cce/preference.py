@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from mlx_lm_ext import backbone
+from mlx_lm_ext.api import backbone
 
 from . import api, objectives, pairs, shared_prompt
 from .objectives import dpo, log1m_exp, log_sigmoid, orpo  # noqa: F401  (the formulas' home)

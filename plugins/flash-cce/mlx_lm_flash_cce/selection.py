@@ -147,7 +147,7 @@ def select(
 
     ``nbytes``: the memory budget (None: the default for the batch).
     """
-    from mlx_lm_ext import PluginError
+    from mlx_lm_ext.api import PluginError
 
     opts = opts._replace(elementwise=req.step)
     explicit = nbytes is not None

@@ -27,7 +27,7 @@ from typing import Any, Optional, Tuple
 
 import mlx.core as mx
 
-from mlx_lm_ext import backbone
+from mlx_lm_ext.api import backbone
 
 
 class PromptCache:

@@ -33,7 +33,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from mlx_lm_ext import host
+from mlx_lm_ext import api as host
 
 from . import sampling, tree_verify
 from . import target as target_mod

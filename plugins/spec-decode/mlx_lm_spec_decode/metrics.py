@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from prometheus_client.core import Metric
 
-from mlx_lm_ext.metrics import counter, gauge
+from mlx_lm_ext.api import counter, gauge
 
 P = "mlx_lm_spec_decode_"
 

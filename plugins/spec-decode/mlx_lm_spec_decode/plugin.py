@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from mlx_lm_ext import PluginError, hookimpl
+from mlx_lm_ext.api import PluginError, hookimpl
 
 from .draft_model import DraftModelDrafter, VocabularyMismatch
 from .drafter import Drafter

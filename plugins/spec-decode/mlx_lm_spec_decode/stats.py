@@ -158,7 +158,7 @@ class SpecStats:
 def start(stats: SpecStats) -> None:
     """Record ``stats`` as this thread's latest request, and as the current
     request's figures for the host (``usage``, ``--verbose``)."""
-    from mlx_lm_ext import host
+    from mlx_lm_ext import api as host
 
     _local.last = stats
     info = host.request_info()

@@ -8,7 +8,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from mlx_lm_ext import backbone, host
+from mlx_lm_ext import api as host
+from mlx_lm_ext.api import backbone
 
 
 def split(model: Any) -> Optional[Tuple[Callable, Callable]]:

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_lm_ext import host
+from mlx_lm_ext import api as host
 
 from . import target as target_mod
 

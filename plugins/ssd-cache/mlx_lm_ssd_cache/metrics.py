@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 
-from mlx_lm_ext.metrics import counter, gauge
+from mlx_lm_ext.api import counter, gauge
 
 from .store import RESTORE_BUCKETS
 

@@ -7,7 +7,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
-from mlx_lm_ext import PluginError, hookimpl
+from mlx_lm_ext.api import PluginError, hookimpl
 
 if TYPE_CHECKING:
     from .cache import SSDPromptCache
@@ -159,9 +159,9 @@ def live_models(model_key: Any) -> Optional[List[Any]]:
 
 
 def _extra_classes():
-    from mlx_lm_ext import integration
+    from mlx_lm_ext.api import prompt_cache_classes
 
-    return integration.prompt_cache_classes()
+    return prompt_cache_classes()
 
 
 @hookimpl
