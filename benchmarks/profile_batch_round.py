@@ -1,0 +1,187 @@
+"""Where a batched drafting round's time goes, against a synchronous forward of its width.
+
+    python benchmarks/profile_batch_round.py                       # CPU, SmolLM2 float32
+    python benchmarks/profile_batch_round.py --device gpu --dtype bfloat16 --standin 10B
+
+In process, no server: for each concurrency C, C grounded prompts (the
+answer copies its input) decode with mlx-lm's ``BatchGenerator`` (stock)
+and with ``SpecBatchGenerator`` (the n-gram drafter, as ``mlx_lm.server
+--plugin spec-decode`` runs it), one after the other on the same model.
+Printed per C:
+
+- tokens/s of both (completion tokens over the decode calls' wall time,
+  prompt processing excluded) and their ratio; ``same``: every greedy
+  output identical to stock's;
+- per call kind (stock's plain step, our plain step, our round at each
+  window width W), the call's median and 90th percentile (ms);
+- a round's phases (median ms): ``propose`` (the drafters' lookups, the
+  decision), ``forward`` (the verify forward evaluated, acceptance read
+  back; for a round built ahead of its pending tokens this includes the
+  step in flight), ``rest`` (rollback, emission, drafter updates);
+- a synchronous forward over ``[C, W]`` on a prefilled cache (built,
+  evaluated, argmax read back) at each width the rounds used, and the
+  rounds' median over it (the issue's "a round costs one forward").
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_batch_spec import grounded  # noqa: E402
+from common import add_target_args, load_target, target_name  # noqa: E402
+
+from mlx_lm_spec_decode import NGramDrafter  # noqa: E402
+from mlx_lm_spec_decode import batch as batch_mod  # noqa: E402
+
+
+def q(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
+
+
+def decode(gen, prompts, max_tokens):
+    """Drive ``gen`` to the end: each request's tokens, and each decode call's seconds."""
+    uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+    out, done, calls = {u: [] for u in uids}, set(), []
+    while len(done) < len(uids):
+        t = time.perf_counter()
+        _, responses = gen.next()
+        dt = time.perf_counter() - t
+        if responses and all(out[r.uid] for r in responses):
+            calls.append(dt)  # prompt processing's calls excluded
+        for r in responses:
+            out[r.uid].append(r.token)
+            if r.finish_reason:
+                done.add(r.uid)
+    return [out[u] for u in uids], calls
+
+
+class Recorder:
+    """Wraps the generation batch's call kinds to time them, then restores them."""
+
+    def __init__(self):
+        self.kind = None
+        self.phases = {"propose": [], "forward": [], "rest": []}
+        self.kinds = []
+        cls = batch_mod.SpecGenerationBatch
+        self.saved = {n: getattr(cls, n) for n in ("_next", "_round", "_propose", "_check")}
+        rec = self
+
+        def _next(self_):
+            rec.kind, rec.t_prop = "plain", 0.0
+            t = time.perf_counter()
+            out = rec.saved["_next"](self_)
+            rec.kinds.append((rec.kind, time.perf_counter() - t))
+            return out
+
+        def _propose(self_, *a):
+            t = time.perf_counter()
+            out = rec.saved["_propose"](self_, *a)
+            rec.t_prop += time.perf_counter() - t
+            return out
+
+        def _round(self_, pending, drafts, *a):
+            rec.kind = f"round W={1 + max(len(d) for d in drafts)}"
+            rec.t_check = 0.0
+            t = time.perf_counter()
+            out = rec.saved["_round"](self_, pending, drafts, *a)
+            whole = time.perf_counter() - t
+            rec.phases["propose"].append(rec.t_prop)
+            rec.phases["forward"].append(rec.t_check)
+            rec.phases["rest"].append(whole - rec.t_check)
+            return out
+
+        def _check(self_, *a):
+            t = time.perf_counter()
+            out = rec.saved["_check"](self_, *a)
+            mx.eval(out[0])
+            rec.t_check += time.perf_counter() - t
+            return out
+
+        for n, f in (("_next", _next), ("_round", _round), ("_propose", _propose)):
+            setattr(cls, n, f)
+        cls._check = _check
+
+    def restore(self):
+        for n, f in self.saved.items():
+            setattr(batch_mod.SpecGenerationBatch, n, f)
+
+
+def sync_forward(model, prompt, B, W, repeats):
+    """Median seconds of a forward over ``[B, W]`` on a prefilled cache, read back."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([prompt] * B, mx.uint32), cache=cache))
+    x = mx.array([[prompt[-1]] * W] * B, mx.uint32)
+    times = []
+    for _ in range(repeats + 2):
+        t = time.perf_counter()
+        mx.argmax(model(x, cache=cache), axis=-1).tolist()
+        times.append(time.perf_counter() - t)
+        trim_prompt_cache(cache, W)
+    return statistics.median(times[2:])
+
+
+def run(model, tok, C, max_tokens):
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        for p in grounded()[:C]
+    ]
+    decode(BatchGenerator(model), prompts, 8)  # warm up
+    stock, stock_calls = decode(BatchGenerator(model), prompts, max_tokens)
+    drafter = NGramDrafter()
+    decode(batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft), prompts, 32)
+    rec = Recorder()
+    try:
+        gen = batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft)
+        ours, our_calls = decode(gen, prompts, max_tokens)
+    finally:
+        rec.restore()
+    n = sum(len(t) for t in stock)
+    s_tps = n / sum(stock_calls)
+    o_tps = sum(len(t) for t in ours) / sum(our_calls)
+    print(f"\n## C={C}: stock {s_tps:.1f} tok/s, ours {o_tps:.1f} tok/s, {o_tps / s_tps:.2f}x, "
+          f"same={'yes' if ours == stock else 'no'}")  # fmt: skip
+    by = {"stock plain step": stock_calls}
+    for kind, t in rec.kinds:
+        by.setdefault("ours " + kind, []).append(t)
+    print("| call | n | median ms | p90 ms | x sync forward of its width |\n|---|---|---|---|---|")
+    for kind, ts in sorted(by.items()):
+        W = int(kind.split("W=")[1]) if "W=" in kind else 1
+        ref = sync_forward(model, prompts[0], C, W, 10)
+        print(f"| {kind} | {len(ts)} | {1e3 * statistics.median(ts):.2f} | "
+              f"{1e3 * q(ts, 0.9):.2f} | {statistics.median(ts) / ref:.2f} (sync {1e3 * ref:.2f}) |")  # fmt: skip
+    if rec.phases["forward"]:
+        print("| round phase | median ms | p90 ms |\n|---|---|---|")
+        for name, ts in rec.phases.items():
+            print(f"| {name} | {1e3 * statistics.median(ts):.2f} | {1e3 * q(ts, 0.9):.2f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    add_target_args(ap)
+    args = ap.parse_args()
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+        assert levels and min(levels) >= 1
+    except (ValueError, AssertionError):
+        ap.error(f"--concurrency: comma-separated positive integers, got {args.concurrency!r}")
+    mx.set_default_device(getattr(mx, args.device))
+    model, tok = load_target(args, args.dtype)
+    print(f"# {target_name(args, args.dtype)} on {args.device}, {args.max_tokens} tokens")
+    for C in levels:
+        run(model, tok, C, args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()
