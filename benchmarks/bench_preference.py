@@ -1,29 +1,41 @@
-"""Preference training step: prompt once + flash-cce log-probs vs two full sequences with logits.
+"""Preference training step and DPO reference pass: flash-cce against two full sequences
+with logits and against mlx-lm-lora, in one run.
 
-One ``mlx_lm.lora``-style training step (the trainer's compiled step, LoRA,
-Adam) with the ORPO loss, its log-probs computed three ways, each in a fresh
-process (time and peak memory of one method never touch another's):
+One ``mlx_lm.lora``-style training step (a compiled step, LoRA, Adam) per
+method, each in a fresh process (time and peak memory of one never touch
+another's):
 
-- ``stock``: what preference trainers on MLX do today: each pair as two full
-  sequences ``[prompt, chosen]``, ``[prompt, rejected]``, the model's full
-  ``[tokens, vocab]`` logits, log-softmax, gather;
-- ``unshared+flash``: two full sequences, log-probs from flash-cce (no
-  logits): the memory saved by the loss head alone;
-- ``shared+flash``: ``--loss orpo`` as shipped: each prompt through the
-  model once (``shared_prompt``), log-probs from flash-cce.
+- ``orpo stock``: each pair as two full sequences ``[prompt, chosen]``,
+  ``[prompt, rejected]``, the model's full ``[tokens, vocab]`` logits,
+  log-softmax, gather;
+- ``orpo mlx-lm-lora``: mlx-lm-lora's ``orpo_loss_from_model`` (two full
+  sequences, full logits, its own batches padded to 8) in the step its
+  ``train_orpo`` compiles (the same value-and-grad, optimizer update and
+  state), when the package is installed;
+- ``orpo flash-cce``: ``--loss orpo`` as shipped (each prompt once,
+  log-probs from flash-cce, no logits);
+- ``dpo mlx-lm-lora``: its ``dpo_loss`` with a reference model (a second
+  copy of the weights) run inside every step, as its ``train_dpo`` does;
+- ``dpo flash-cce``: ``--loss dpo`` as shipped: the step reads precomputed
+  reference log-probs; the reference pass (forward only, compiled, adapters
+  off) is timed on its own, per batch of pairs.
 
 At prompt:response token ratios 1:1 and 4:1 (``--response`` tokens per
-response), ratios against ``stock`` measured in the same run. Peak memory is
-``mx.get_peak_memory()`` during the step minus the memory held before it
-(weights, optimizer state, batch).
+response). Time is wall time and the process's CPU time (on a shared
+machine, CPU time is what the work costs; wall time includes waiting for
+other jobs); both are the minimum over ``--repeats`` steps after a compiling
+one. Peak memory is ``mx.get_peak_memory()`` during the step minus the
+memory held before it (weights, optimizer state, batch). Ratios are against
+``orpo stock`` (and mlx-lm-lora where it ran) from the same run.
 
     env LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/bench_preference.py
     python benchmarks/bench_preference.py --model random-llama-1b --dtype bfloat16 \\
-        --pairs 4 --response 512    # a GPU: ~1B llama, random weights, V=151936
+        --pairs 4 --response 256    # a GPU: ~1B llama, random weights, V=151936
 """
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -34,7 +46,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-METHODS = ("stock", "unshared+flash", "shared+flash")
+METHODS = ("orpo stock", "orpo mlx-lm-lora", "orpo flash-cce", "dpo mlx-lm-lora", "dpo flash-cce")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -61,7 +73,7 @@ def _load(model_name, dtype):
     return model, tok.encode(text)
 
 
-def _batch(ids, vocab, n_pairs, prompt, response):
+def _pairs(ids, vocab, n_pairs, prompt, response):
     from mlx_lm_flash_cce import pairs
 
     if ids is None:
@@ -72,55 +84,125 @@ def _batch(ids, vocab, n_pairs, prompt, response):
     for i in range(n_pairs):
         x = ids[i * per : (i + 1) * per]
         rows.append(pairs.Pair(x[:prompt], x[prompt : prompt + response], x[prompt + response :]))
-    return pairs.collate(rows)
+    return rows
 
 
-def one_step(method, model_name, dtype, n_pairs, prompt, response, layers, steps):
-    """In a fresh process: time and peak memory of the compiled ORPO step."""
+def _lora_lora_batch(rows, dpo):
+    """mlx-lm-lora's batch of these pairs (its iterate_*_batches: full sequences, pad to 8)."""
+    import numpy as np
+
+    seqs = [(p.prompt + p.chosen, p.prompt + p.rejected, len(p.prompt)) for p in rows]
+    width = max(max(len(c), len(r)) for c, r, _ in seqs)
+    width = 8 * ((width + 7) // 8)
+    arrays = [np.zeros((len(rows), width), t) for t in (np.int32, np.int32, np.float32, np.float32)]
+    for j, (c, r, plen) in enumerate(seqs):
+        arrays[0][j, : len(c)], arrays[1][j, : len(r)] = c, r
+        arrays[2][j, plen : len(c)], arrays[3][j, plen : len(r)] = 1.0, 1.0
+    batch = [mx.array(a) for a in arrays]
+    return batch if dpo else batch + [mx.ones((len(rows),))]
+
+
+def _loss(method, model, rows):
+    """``(loss(model, *batch) -> (value, ntokens), batch)`` for ``method``."""
+    from mlx_lm_flash_cce import pairs, preference, shared_prompt
+
+    kind, how = method.split(" ")
+    if how == "flash-cce":
+        fn = preference.make_loss(model, kind, beta=0.1, sets=[pairs.PairDataset(rows, "b")])
+        return (lambda m, *b: fn(m, *b)[:2]), pairs.collate(rows)
+    if how == "stock":
+
+        def stock(model, prompts, plens, responses, rlens, refs):
+            b = prompts.shape[0]
+            tok = shared_prompt.stock_logps(model, prompts, plens, responses)
+            seq = preference.sequence_logps(tok, rlens)
+            mean = seq / rlens.astype(mx.float32)
+            nll = -seq[:b].sum() / rlens[:b].astype(mx.float32).sum()
+            value, _, _ = preference.orpo(mean[:b], mean[b:], nll, 0.1)
+            return value, plens.sum() + rlens.sum()
+
+        return stock, pairs.collate(rows)
+    if kind == "orpo":
+        from mlx_lm_lora.trainer import orpo_trainer
+
+        def lora_orpo(model, *batch):
+            value, _, toks, _ = orpo_trainer.orpo_loss_from_model(model, *batch, beta=0.1)
+            return value, toks
+
+        return lora_orpo, _lora_lora_batch(rows, dpo=False)
+    from mlx_lm_lora.trainer import dpo_trainer as d
+
+    ref = copy.deepcopy(model)  # its train_dpo's ref_model: the base weights, run each step
+    ref.freeze()
+
+    def lora_dpo(model, chosen, rejected, cm, rm):
+        score = lambda m, x, mask: d.compute_score(  # noqa: E731
+            d.get_token_scores(m, x, mask), mask, "sigmoid"
+        )
+        rc = mx.stop_gradient(score(ref, chosen, cm))
+        rr = mx.stop_gradient(score(ref, rejected, rm))
+        value, _, toks, _ = d.dpo_loss(
+            score(model, chosen, cm), score(model, rejected, rm), rc, rr, cm, rm, 0.1, 50.0
+        )
+        return value, toks
+
+    lora_dpo.state = ref.state  # an input of the compiled step, as the model's
+    return lora_dpo, _lora_lora_batch(rows, dpo=True)
+
+
+def _timed(fn):
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    if mx.default_device() == mx.gpu:
+        mx.synchronize()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return wall, cpu, mx.get_peak_memory() - base, out
+
+
+def _reference_pass(model, rows, repeats):
+    """``[(wall, cpu)]`` of the shipped DPO reference pass over one batch, after a compiling one."""
+    from mlx_lm_flash_cce import preference
+
+    token_logps = preference.make_token_logps(model, check=False)
+    out = []
+    for _ in range(repeats + 1):
+        for p in rows:
+            p.ref = None
+        with preference.adapters_off(model):
+            wall, cpu, _, _ = _timed(
+                lambda: preference.fill_reference(model, token_logps, rows, len(rows))
+            )
+        out.append((wall, cpu))
+    return out[1:]
+
+
+def one_method(method, model_name, dtype, n_pairs, prompt, response, layers, repeats):
+    """In a fresh process: the compiled step's time and peak memory (and DPO's reference pass)."""
     from functools import partial
 
     import mlx.optimizers as optim
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    from mlx_lm_flash_cce import preference, shared_prompt
-
     model, ids = _load(model_name, dtype)
     vocab = model(mx.zeros((1, 1), mx.int32)).shape[-1]
-    batch = _batch(ids, vocab, n_pairs, prompt, response)
+    rows = _pairs(ids, vocab, n_pairs, prompt, response)
     model.freeze()
+    loss, batch = _loss(method, model, rows)  # mlx-lm-lora's reference: the base weights
     mx.random.seed(0)
     linear_to_lora_layers(model, layers, {"rank": 8, "scale": 20.0, "dropout": 0.0})
-    if method == "shared+flash":
-        loss = preference.make_loss(model, "orpo", beta=0.1)
-    else:
-        if method == "stock":
+    result = {"method": method}
+    if method == "dpo flash-cce":
+        result["reference"] = _reference_pass(model, rows, repeats)
+        from mlx_lm_flash_cce import pairs
 
-            def token_logps(model, prompts, plens, responses):
-                return shared_prompt.stock_logps(model, prompts, plens, responses)
-        else:
-            from mlx_lm_ext import backbone
-            from mlx_lm_flash_cce import api
-
-            _, arch = backbone.resolve(model)
-
-            def token_logps(model, prompts, plens, responses):
-                h = shared_prompt.unshared_hidden(model, arch, prompts, plens, responses)
-                ce = api.linear_cross_entropy(
-                    h, arch.head(model), responses, reduction="none", with_grad=model.training
-                )
-                return -ce
-
-        def loss(model, prompts, plens, responses, rlens, refs):
-            b = prompts.shape[0]
-            seq = preference.sequence_logps(token_logps(model, prompts, plens, responses), rlens)
-            lens = rlens.astype(mx.float32)
-            mean = seq / lens
-            value, _, _ = preference.orpo(mean[:b], mean[b:], -seq[:b].sum() / lens[:b].sum(), 0.1)
-            return value, plens.sum() + rlens.sum(), mx.zeros((4,))
-
+        batch = pairs.collate(rows)  # with the reference log-probs
     opt = optim.Adam(learning_rate=1e-5)
-    lvg = nn.value_and_grad(model, lambda m, *b: loss(m, *b)[:2])
-    state = [model.state, opt.state, mx.random.state]
+    lvg = nn.value_and_grad(model, loss)
+    state = [model.state, opt.state, mx.random.state, getattr(loss, "state", [])]
 
     @partial(mx.compile, inputs=state, outputs=state)
     def step(*batch):
@@ -128,25 +210,105 @@ def one_step(method, model_name, dtype, n_pairs, prompt, response, layers, steps
         opt.update(model, grad)
         return value, toks
 
-    model.train()
-    out = []
-    for _ in range(steps + 1):  # the first step compiles
-        gc.collect()
-        mx.clear_cache()
-        mx.eval(batch)
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        tic = time.perf_counter()
+    def run():
         value, toks = step(*batch)
         mx.eval(state, value, toks)
-        if mx.default_device() == mx.gpu:
-            mx.synchronize()
-        out.append((time.perf_counter() - tic, mx.get_peak_memory() - base, value.item()))
-    return {"method": method, "first": out[0][0], "steps": out[1:]}
+        return value.item()
+
+    model.train()
+    mx.eval(batch)
+    result["steps"] = [_timed(run) for _ in range(repeats + 1)][1:]  # the first compiles
+    return result
 
 
 def _mib(b):
     return f"{b / 2**20:,.0f}"
+
+
+def _have_mlx_lm_lora():
+    try:
+        import mlx_lm_lora.trainer.dpo_trainer  # noqa: F401
+        import mlx_lm_lora.trainer.orpo_trainer  # noqa: F401
+    except ImportError as e:
+        return f"mlx-lm-lora not importable ({e}); its rows are skipped"
+    from importlib.metadata import version
+
+    return f"mlx-lm-lora {version('mlx-lm-lora')}"
+
+
+def _run_one(a, method, prompt):
+    cmd = [sys.executable, __file__, "--_one", method, str(prompt), str(a.response)]
+    cmd += ["--model", a.model, "--dtype", a.dtype, "--pairs", str(a.pairs)]
+    cmd += ["--layers", str(a.layers), "--repeats", str(a.repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-2000:])
+        raise SystemExit(f"{method} at {prompt}:{a.response} failed")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _summary(ratio, res, pairs_per_batch):
+    lines = []
+    base = res["orpo stock"]
+    for m in ("orpo flash-cce", "orpo mlx-lm-lora"):
+        if m in res and m != "orpo stock":
+            w, c, p = (res[m][k] / base[k] for k in range(3))
+            lines.append(
+                f"{ratio}:1 {m} / orpo stock: {c:.2f}x CPU time, {w:.2f}x wall, {p:.2f}x peak memory"
+            )
+    if "orpo mlx-lm-lora" in res:
+        o, f = res["orpo mlx-lm-lora"], res["orpo flash-cce"]
+        lines.append(
+            f"{ratio}:1 orpo flash-cce / mlx-lm-lora: {f[1] / o[1]:.2f}x CPU time, "
+            f"{f[0] / o[0]:.2f}x wall, {f[2] / o[2]:.2f}x peak memory"
+        )
+    d = res["dpo flash-cce"]
+    rw, rc = d[3]
+    lines.append(
+        f"{ratio}:1 dpo flash-cce reference pass: {rc / pairs_per_batch:.3f} CPU s per pair, "
+        f"{rc / d[1]:.2f}x a training step per batch (CPU time; wall {rw / d[0]:.2f}x)"
+    )
+    if "dpo mlx-lm-lora" in res:
+        o = res["dpo mlx-lm-lora"]
+        lines.append(
+            f"{ratio}:1 dpo flash-cce step / mlx-lm-lora step (its reference in every step): "
+            f"{d[1] / o[1]:.2f}x CPU time, {d[0] / o[0]:.2f}x wall, {d[2] / o[2]:.2f}x peak memory; "
+            f"with the reference pass added per batch: {(d[1] + rc) / o[1]:.2f}x CPU time"
+        )
+    return lines
+
+
+def _table(a, ratios, have_lora):
+    print(
+        f"{'p:r':>5} | {'method':>16} | {'step s':>7} | {'cpu s':>7} | {'peak MiB':>9} | "
+        f"{'ref s/batch':>11} | {'loss':>8}"
+    )
+    summary = []
+    for ratio in ratios:
+        prompt = ratio * a.response
+        res = {}
+        for method in METHODS:
+            if "mlx-lm-lora" in method and not have_lora:
+                continue
+            r = _run_one(a, method, prompt)
+            steps = r["steps"]
+            w, c = min(s[0] for s in steps), min(s[1] for s in steps)
+            peak = max(s[2] for s in steps)
+            ref = ""
+            res[method] = [w, c, peak]
+            if "reference" in r:
+                rw, rc = (min(x[k] for x in r["reference"]) for k in (0, 1))
+                res[method].append((rw, rc))
+                ref = f"{rw:.3f}/{rc:.3f}c"
+            print(
+                f"{f'{ratio}:1':>5} | {method:>16} | {w:7.3f} | {c:7.3f} | {_mib(peak):>9} | "
+                f"{ref:>11} | {steps[0][3]:8.4f}",
+                flush=True,
+            )
+        summary += _summary(ratio, res, a.pairs)
+    print("\nratios (same run):")
+    for line in summary:
+        print("  " + line)
 
 
 def main():
@@ -156,7 +318,7 @@ def main():
     )
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--pairs", type=int, default=4, help="pairs per batch")
-    p.add_argument("--response", type=int, default=64, help="tokens per response")
+    p.add_argument("--response", type=int, default=48, help="tokens per response")
     p.add_argument("--ratios", default="1,4", help="prompt:response ratios, e.g. 1,4")
     p.add_argument("--layers", type=int, default=16, help="layers with LoRA")
     p.add_argument("--repeats", type=int, default=2, help="timed steps after the compiling one")
@@ -172,45 +334,18 @@ def main():
         p.error(f"--ratios must be integers separated by commas, got {a.ratios!r}")
     if a._one:
         method, prompt, response = a._one[0], int(a._one[1]), int(a._one[2])
-        r = one_step(method, a.model, a.dtype, a.pairs, prompt, response, a.layers, a.repeats)
+        r = one_method(method, a.model, a.dtype, a.pairs, prompt, response, a.layers, a.repeats)
+        r["steps"] = [list(s[:3]) + [s[3]] for s in r["steps"]]
         print(json.dumps(r))
         return
+    lora = _have_mlx_lm_lora()
     print(
-        f"preference step (ORPO, LoRA on {a.layers} layers, Adam, compiled): {a.model} {a.dtype}, "
-        f"{a.pairs} pairs per batch, {a.response} tokens per response, device {mx.default_device()}; "
-        f"fresh process per method, min of {a.repeats} steps after a compiling one"
+        f"preference step (LoRA on {a.layers} layers, Adam, compiled): {a.model} {a.dtype}, "
+        f"{a.pairs} pairs per batch, {a.response} tokens per response, device "
+        f"{mx.default_device()}; {lora}; fresh process per method, min of {a.repeats} steps "
+        "after a compiling one; ref s/batch: the DPO reference pass, wall/CPU"
     )
-    print(f"{'prompt:resp':>11} | {'method':>14} | {'step s':>7} | {'peak MiB':>9} | {'loss':>8}")
-    summary = []
-    for ratio in ratios:
-        prompt = ratio * a.response
-        results = {}
-        for method in METHODS:
-            cmd = [sys.executable, __file__, "--_one", method, str(prompt), str(a.response)]
-            cmd += ["--model", a.model, "--dtype", a.dtype, "--pairs", str(a.pairs)]
-            cmd += ["--layers", str(a.layers), "--repeats", str(a.repeats)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(proc.stderr[-2000:])
-                raise SystemExit(f"{method} at {ratio}:1 failed")
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-            t = min(s[0] for s in r["steps"])
-            m = max(s[1] for s in r["steps"])
-            results[method] = (t, m)
-            print(
-                f"{f'{ratio}:1':>11} | {method:>14} | {t:7.3f} | {_mib(m):>9} | "
-                f"{r['steps'][0][2]:8.4f}",
-                flush=True,
-            )
-        st, sm = results["stock"]
-        for method in METHODS[1:]:
-            t, m = results[method]
-            summary.append(
-                f"{ratio}:1 {method}: {t / st:.2f}x step time, {m / sm:.2f}x peak memory"
-            )
-    print("\nratios against stock (same run):")
-    for line in summary:
-        print("  " + line)
+    _table(a, ratios, not lora.startswith("mlx-lm-lora not"))
 
 
 if __name__ == "__main__":

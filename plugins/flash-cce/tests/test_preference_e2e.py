@@ -172,3 +172,48 @@ def test_unknown_loss_lists_the_preference_losses(tiny_model, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert re.search(r"unknown loss 'kto' \(losses: default, .*flash-cce, orpo, dpo", proc.stderr)
+
+
+def _with_system(folder, out):
+    """``folder``'s string rows with a ``system`` field, in ``out``."""
+    out.mkdir()
+    for f in folder.iterdir():
+        rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        rows = [dict(r, system="You answer in one short sentence.") for r in rows]
+        (out / f.name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "loss, extra",
+    [
+        # the same checkpoint, loaded apart; IPO's squared loss wants a gentler step
+        ("ipo", ["--reference-model", "MODEL", "--beta", "0.5", "--learning-rate", "1e-4"]),
+        ("hinge", []),
+        ("simpo", ["--apply-chat-template"]),  # string prompts with a system field
+        ("cpo", []),
+    ],
+)
+def test_objectives_margin_rises(smollm2_f32_path, own_pairs, tmp_path, loss, extra):
+    chat, plain = own_pairs
+    data = chat
+    if "--apply-chat-template" in extra:
+        data = _with_system(plain, tmp_path / "system")
+    extra = [str(smollm2_f32_path) if x == "MODEL" else x for x in extra]
+    lines, out = _lora(smollm2_f32_path, data, tmp_path / loss, "--loss", loss, *extra)
+    assert "prompt run once per pair" in out
+    val, train = lines["val"], lines["train"]
+    assert sorted(train) == [2, 4, 6] and sorted(val) == [1, 6], out[-2000:]
+    assert train[6][0] > train[2][0] and val[6][0] > val[1][0], out[-3000:]
+    if loss in ("ipo", "hinge"):  # before the first step the model is its own reference
+        assert val[1][0] == 0.0
+        what = r"the reference model" if "--reference-model" in extra else r"\d+ adapter layers off"
+        assert re.search(rf"reference log-probs of 10 pairs \({what}\)", out), out[-3000:]
+    else:
+        assert "reference log-probs" not in out
+    assert re.search(
+        r"^\s+6\s+train reward margin .*, [0-9.]+ it/s, peak mem [0-9.]+ GB$", out, re.M
+    )
+    config = json.loads((tmp_path / loss / "adapter_config.json").read_text())
+    assert config["loss"] == loss
