@@ -136,3 +136,16 @@ def test_reference_model_that_does_not_load_exits_2(tiny_model, tmp_path):
     assert _last_line(proc).startswith(
         f"mlx-lm-ext: error: --reference-model {missing}: cannot load"
     )
+
+
+def test_reference_pass_covers_only_the_splits_read(tiny_model, tmp_path):
+    data = _data(tmp_path)  # 4 train, 4 valid
+    (data / "test.jsonl").write_text("".join(json.dumps(GOOD) + "\n" for _ in range(3)))
+    proc, out = _lora(tiny_model("llama"), data, "--loss", "hinge")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out + ANSI.sub("", proc.stderr)
+    assert re.search(r"reference log-probs of 8 pairs \(\d+ adapter layers off\)", text), text
+    assert "reference log-probs:" in text  # its progress bar
+    proc, out = _lora(tiny_model("llama"), data, "--loss", "hinge", "--val-batches", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "reference log-probs of 4 pairs" in out + proc.stderr
