@@ -3,7 +3,8 @@
 A plugin is a module (or object) named by an entry point in the group
 ``mlx_lm_ext.plugins``; the entry point's name is the plugin's name, the one
 users type after ``--plugin``. Its hooks are plain functions decorated with
-``mlx_lm_ext.hookimpl``; a plugin implements only the hooks it needs.
+``hookimpl`` from ``mlx_lm_ext.api`` (the plugin API: everything of the core a
+plugin may use); a plugin implements only the hooks it needs.
 
 A plugin is imported and registered only when a user names it
 (``--plugin NAME``, ``--loss NAME``, ``loss: NAME`` in a lora YAML config, or
@@ -17,7 +18,32 @@ registering it: to say which plugin owns a flag given without its
 ``command`` is one of ``"generate"``, ``"server"``, ``"lora"`` (mlx-lm's
 commands) or ``"python"`` (``mlx_lm_ext.enable`` from user code).
 
-Errors: raise ``mlx_lm_ext.PluginError`` for bad user input (the host prints
+How the host calls a hook: pluggy is the registry only. It finds a
+plugin's implementations and checks their argument names against these
+specs when the plugin is registered; the host then calls them itself, in
+``plugins.py``, and never through pluggy's ``pm.hook.NAME(...)``:
+
+* ``plugins.first(NAME, ...)`` for the hooks in ``FIRST_RESULT`` below: the
+  first non-``None`` result among the active plugins, in activation order
+  (what pluggy's ``firstresult`` would mean, but pluggy's own call order is
+  last registered first);
+* ``plugins.collect(NAME, ...)``: every active plugin's non-``None``
+  result; a plugin that raises loses only its own result (logged with its
+  name);
+* ``plugins.each(NAME, ...)``: ``{plugin: result or the exception}``, for
+  callers that report per plugin (the status page's ``metrics``,
+  ``status_charts``, ``status_options``);
+* ``plugins.call(plugin, NAME, ...)``: one plugin's own implementation
+  (``activate``, ``add_arguments``, ``doctor``, ...).
+
+Each call hands every plugin the options its own ``activate`` returned, as
+``options`` when its implementation takes that argument, and asks only the
+plugins active in this process (a plugin is registered, not yet active,
+while its flags are read). A single ``pm.hook.NAME(...)`` call can do
+neither: it passes one set of arguments to every registered plugin and
+stops at the first exception.
+
+Errors: raise ``mlx_lm_ext.api.PluginError`` for bad user input (the host prints
 the message and exits with status 2); any other exception from ``activate``
 is reported as a failed activation (exit 1) without a traceback from inside
 mlx-lm. Hooks that run while a server is serving (prompt cache, drafter) must
@@ -30,6 +56,20 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import pluggy
 
 hookspec = pluggy.HookspecMarker("mlx_lm_ext")
+
+# The hooks the host asks with ``plugins.first`` (one answer wanted); every
+# other hook is asked with ``collect``, ``each`` or ``call``.
+FIRST_RESULT = frozenset(
+    {
+        "make_prompt_cache",
+        "make_drafter",
+        "speculative_generate_step",
+        "batch_generator",
+        "make_loss",
+        "load_dataset",
+        "iterate_batches",
+    }
+)
 
 
 @hookspec
@@ -71,7 +111,7 @@ def deactivate() -> None:
     """Undo ``activate`` (``mlx_lm_ext.disable``); restore what was patched."""
 
 
-@hookspec(firstresult=True)
+@hookspec
 def make_prompt_cache(
     args: Optional[argparse.Namespace], options: Any, max_size: int, max_bytes: int
 ) -> Any:
@@ -111,7 +151,7 @@ def prompt_cache_classes() -> List[type]:
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def make_drafter(
     command: str,
     model: Any,
@@ -135,7 +175,7 @@ def make_drafter(
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def speculative_generate_step(
     prompt: Any, model: Any, drafter: Any, kwargs: Dict[str, Any]
 ) -> Optional[Iterator[Tuple[int, Any, bool]]]:
@@ -153,7 +193,7 @@ def speculative_generate_step(
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def batch_generator(
     model: Any,
     tokenizer: Any,
@@ -170,14 +210,14 @@ def batch_generator(
     ``stream``), and returns an object with ``BatchGenerator``'s interface
     (``insert_segments``, ``next``, ``remove``, ``extract_cache``,
     ``prompt_cache_nbytes``, ``close``). Inside its ``insert_segments``,
-    ``mlx_lm_ext.host.request_info()`` is the dict of the request being
+    ``mlx_lm_ext.api.request_info()`` is the dict of the request being
     inserted. With ``None`` the server serves the drafter one request at a
     time (``speculative_generate_step``). If the hook or the factory raises,
     the host logs it and the server keeps mlx-lm's own.
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def make_loss(name: str, model: Any, args: argparse.Namespace, options: Any) -> Optional[Callable]:
     """Return a training loss for ``--loss name``, or ``None``.
 
@@ -204,7 +244,7 @@ def loss_names() -> List[str]:
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def load_dataset(
     name: str, args: argparse.Namespace, tokenizer: Any, options: Any
 ) -> Optional[Tuple[Any, Any, Any]]:
@@ -218,7 +258,7 @@ def load_dataset(
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def iterate_batches(name: str, args: argparse.Namespace, options: Any) -> Optional[Callable]:
     """Return the batch iterator for ``--loss name``, or ``None`` for mlx-lm's.
 
@@ -233,7 +273,7 @@ def iterate_batches(name: str, args: argparse.Namespace, options: Any) -> Option
 def usage_fields(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Return fields to merge into a server response's ``usage``, or ``None``.
 
-    ``info`` is the request's dict from ``mlx_lm_ext.host.request_info()``,
+    ``info`` is the request's dict from ``mlx_lm_ext.api.request_info()``,
     where plugins recorded what they did while the request was generated.
     A plugin that raises costs only its own fields.
     """

@@ -6,16 +6,110 @@ puts back what that owner replaced, in reverse order. A second patch of the
 same attribute by another owner is refused: two wrappers that do not know of
 each other are how patched code goes wrong. ``patches()`` lists what is
 patched now (``mlx-lm-ext doctor`` and the tests read it).
+
+``OWNERS`` is the one table of what may be patched: each owner, the mlx-lm
+attributes it patches and the core function that installs them. The ledger
+refuses an owner or an attribute the table does not list;
+``docs/architecture.md`` (section 4) lists the same rows with what each
+wrapper does, and ``tests/test_hooks.py`` holds the table, the code and the
+doc to one another and to the installed mlx-lm.
 """
 
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Tuple
 
 
 class PatchConflict(RuntimeError):
     """An attribute is already patched by another owner."""
+
+
+class Owner(NamedTuple):
+    """One row of the owner table."""
+
+    owner: str  # who patches (the feature that needs it)
+    attribute: str  # what, in mlx-lm 0.32.2: ``<arch>`` a model module, ``()`` on instances
+    installer: str  # the core function that patches it (``module.function``)
+
+
+OWNERS = (
+    Owner("core", "mlx_lm.generate.setup_arg_parser", "integration._patch_generate"),
+    Owner("core", "mlx_lm.lora.build_parser", "integration._patch_lora"),
+    Owner("core", "mlx_lm.lora.run", "integration._patch_lora"),
+    Owner("core", "mlx_lm.server.main", "integration._patch_server"),
+    Owner("core.server-parser", "argparse.ArgumentParser.parse_args", "integration._patch_server"),
+    Owner(
+        "generate.dispatch",
+        "mlx_lm.generate.speculative_generate_step",
+        "integration._install_dispatcher",
+    ),
+    Owner("generate.generate", "mlx_lm.generate.generate", "integration._install_generate"),
+    Owner(
+        "python.generate", "mlx_lm.generate.stream_generate", "integration._install_python_generate"
+    ),
+    Owner("python.generate", "mlx_lm.stream_generate", "integration._install_python_generate"),
+    Owner("server.prompt_cache", "mlx_lm.server.LRUPromptCache", "serving.install_prompt_cache"),
+    Owner("server.model", "mlx_lm.server.ModelProvider._load", "serving.install_model_hook"),
+    Owner("server.model", "mlx_lm.server.stream_generate", "serving.install_prompt_progress"),
+    Owner("server.batch", "mlx_lm.server.BatchGenerator", "serving.install_batching"),
+    Owner(
+        "server.batch", "mlx_lm.server.ResponseGenerator._next_request", "serving.install_batching"
+    ),
+    Owner(
+        "server.requests",
+        "mlx_lm.server.ResponseGenerator._serve_single",
+        "serving.install_requests",
+    ),
+    Owner(
+        "server.requests", "mlx_lm.server.ResponseGenerator.generate", "serving.install_requests"
+    ),
+    Owner(
+        "server.requests",
+        "mlx_lm.server.ResponseGenerator._log_cache_stats",
+        "serving.install_requests",
+    ),
+    Owner(
+        "server.requests", "mlx_lm.server.APIHandler.generate_response", "serving.install_requests"
+    ),
+    Owner(
+        "server.requests",
+        "mlx_lm.server.APIHandler.completion_usage_response",
+        "serving.install_requests",
+    ),
+    Owner("server.metrics", "mlx_lm.server.APIHandler.do_POST", "monitoring.install"),
+    Owner(
+        "server.metrics", "mlx_lm.server.APIHandler._set_completion_headers", "monitoring.install"
+    ),
+    Owner("server.metrics", "mlx_lm.server.APIHandler._set_stream_headers", "monitoring.install"),
+    Owner(
+        "server.metrics", "mlx_lm.server.ResponseGenerator._await_response", "monitoring.install"
+    ),
+    Owner("server.routes", "mlx_lm.server.APIHandler.do_GET", "monitoring.install"),
+    Owner("server.routes", "mlx_lm.server._run_http_server", "monitoring.install"),
+    Owner("lora.loss", "mlx_lm.lora.train", "training.install"),
+    Owner("lora.loss", "mlx_lm.lora.evaluate", "training.install"),
+    Owner("lora.data", "mlx_lm.lora.load_dataset", "training.install"),
+    Owner("lora.report", "mlx_lm.tuner.trainer.TrainUI", "training._reports"),
+    Owner(
+        "attention",
+        "mlx_lm.models.<arch>.scaled_dot_product_attention",
+        "host.override_attention",
+    ),
+    Owner("rope", "mlx_lm.models.<arch>.Attention().rope", "host.override_rope"),
+)
+
+# owner -> the attribute names it may set (the ledger's check)
+_ALLOWED: Dict[str, set] = {}
+for _row in OWNERS:
+    _ALLOWED.setdefault(_row.owner, set()).add(_row.attribute.rsplit(".", 1)[1])
+
+
+def _check(owner: str, attr: str = "") -> None:
+    if owner not in _ALLOWED:
+        raise ValueError(f"unknown patch owner {owner!r}: list it in patching.OWNERS")
+    if attr and attr not in _ALLOWED[owner]:
+        raise ValueError(f"owner {owner!r} does not patch {attr!r} (patching.OWNERS)")
 
 
 @dataclass
@@ -41,6 +135,7 @@ _ledger: Dict[Tuple[int, str], Patch] = {}
 
 def replace(owner: str, obj: Any, attr: str, value: Any) -> Patch:
     """Set ``obj.attr = value`` for ``owner``; the same owner again is a no-op."""
+    _check(owner, attr)
     with _lock:
         key = (id(obj), attr)
         held = _ledger.get(key)
@@ -65,6 +160,7 @@ def wrap(owner: str, obj: Any, attr: str, make: Callable[[Any], Any]) -> Patch:
 
 def undo(owner: str) -> int:
     """Put back everything ``owner`` replaced; returns how many."""
+    _check(owner)
     with _lock:
         mine = [k for k, p in _ledger.items() if p.owner == owner]
         for key in reversed(mine):
@@ -74,6 +170,7 @@ def undo(owner: str) -> int:
 
 
 def owned(owner: str) -> bool:
+    _check(owner)
     with _lock:
         return any(p.owner == owner for p in _ledger.values())
 

@@ -2,7 +2,9 @@
 
 Plugins are found through the entry-point group ``mlx_lm_ext.plugins`` but
 imported only when named, so an installed plugin that nobody names costs
-nothing and changes nothing.
+nothing and changes nothing. Pluggy holds the registrations; the hooks are
+called here (``first``, ``collect``, ``each``, ``call``), never through
+pluggy's ``pm.hook`` relay: ``hookspecs.py`` says why.
 """
 
 import argparse
@@ -63,10 +65,6 @@ def manager() -> pluggy.PluginManager:
         STATE.manager = pluggy.PluginManager("mlx_lm_ext")
         STATE.manager.add_hookspecs(hookspecs)
     return STATE.manager
-
-
-def hook() -> pluggy.HookRelay:
-    return manager().hook
 
 
 def installed() -> Dict[str, importlib.metadata.EntryPoint]:
@@ -287,9 +285,16 @@ def activate(name: str, command: str, args: argparse.Namespace) -> Any:
     return plugin
 
 
-def _active_calls(hookname: str, kwargs: Dict[str, Any]):
+def _active_calls(hookname: str, kwargs: Dict[str, Any], first: bool = False):
     """``(name, call)`` for each active plugin implementing ``hookname``, in
-    activation order; each call passes that plugin's own options."""
+    activation order; each call passes that plugin's own options.
+
+    ``first``: how the caller asks, checked against ``hookspecs.FIRST_RESULT``
+    so that a hook's declared kind is how the host calls it.
+    """
+    if first != (hookname in hookspecs.FIRST_RESULT):
+        how = "plugins.first" if hookname in hookspecs.FIRST_RESULT else "collect or each"
+        raise TypeError(f"hook {hookname!r} is asked with {how} (hookspecs.FIRST_RESULT)")
     impls = {impl.plugin: impl for impl in getattr(manager().hook, hookname).get_hookimpls()}
     for name, entry in list(STATE.active.items()):
         impl = impls.get(entry.plugin)
@@ -307,9 +312,10 @@ def first(hookname: str, **kwargs: Any) -> Any:
     """The first non-None result of ``hookname`` among the active plugins.
 
     Each plugin gets its own validated options as ``options`` (if its
-    implementation takes them); plugins are asked in activation order.
+    implementation takes them); plugins are asked in activation order. Only
+    for the hooks in ``hookspecs.FIRST_RESULT``.
     """
-    for _, call in _active_calls(hookname, kwargs):
+    for _, call in _active_calls(hookname, kwargs, first=True):
         result = call()
         if result is not None:
             return result

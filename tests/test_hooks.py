@@ -118,19 +118,37 @@ def test_the_ledger_refuses_a_second_owner_and_undoes_by_owner():
 
     from mlx_lm_ext import patching
 
-    target = types.SimpleNamespace(f=1, g=2)
-    patching.replace("a", target, "f", 10)
-    patching.replace("a", target, "f", 10)  # same owner: a no-op
-    with pytest.raises(patching.PatchConflict, match="already patched by a"):
-        patching.replace("b", target, "f", 20)
-    patching.wrap("a", target, "g", lambda old: old * 100)
-    assert (target.f, target.g) == (10, 200)
-    target.k = 3
-    with patching.scoped("c", [(target, "k", 4)]):
-        assert target.k == 4 and patching.owned("c")
-    assert target.k == 3 and not patching.owned("c")
-    assert patching.undo("a") == 2 and (target.f, target.g) == (1, 2)
-    assert not patching.owned("a")
+    # owners and attribute names from the owner table, on a stand-in object
+    target = types.SimpleNamespace(stream_generate=1, _load=2)
+    patching.replace("server.model", target, "stream_generate", 10)
+    patching.replace("server.model", target, "stream_generate", 10)  # same owner: a no-op
+    with pytest.raises(patching.PatchConflict, match="already patched by server.model"):
+        patching.replace("python.generate", target, "stream_generate", 20)
+    patching.wrap("server.model", target, "_load", lambda old: old * 100)
+    assert (target.stream_generate, target._load) == (10, 200)
+    target.rope = 3
+    with patching.scoped("rope", [(target, "rope", 4)]):
+        assert target.rope == 4 and patching.owned("rope")
+    assert target.rope == 3 and not patching.owned("rope")
+    assert patching.undo("server.model") == 2 and (target.stream_generate, target._load) == (1, 2)
+    assert not patching.owned("server.model")
+
+
+def test_the_ledger_refuses_what_the_owner_table_does_not_list():
+    import types
+
+    from mlx_lm_ext import patching
+
+    target = types.SimpleNamespace(run=1, rope=2)
+    with pytest.raises(ValueError, match="unknown patch owner 'lora.sampler'"):
+        patching.replace("lora.sampler", target, "run", 10)
+    with pytest.raises(ValueError, match="owner 'rope' does not patch 'run'"):
+        patching.wrap("rope", target, "run", lambda old: old)
+    with pytest.raises(ValueError, match="unknown patch owner"):
+        patching.undo("no-such-owner")
+    assert (target.run, target.rope) == (1, 2) and patching.patches() == [
+        p for p in patching.patches() if p.obj is not target
+    ]
 
 
 def test_no_mlx_lm_attribute_is_assigned_outside_the_ledger():
@@ -292,3 +310,88 @@ def test_spec_decode_reports_what_its_unset_flags_resolve_to(host, monkeypatch):
     opts = row["options"]
     assert (opts["--drafter"], opts["--draft-max"], opts["--num-draft-tokens"]) == ("ngram", 10, 3)
     assert opts["--ngram-max"] == 4  # a flag with a real default keeps its parsed value
+
+
+def _ledger_calls():
+    """``{(owner, attribute name, installer)}`` of every ledger call in the core's source."""
+    import ast
+    from pathlib import Path
+
+    out = set()
+    for path in sorted((Path(__file__).resolve().parents[1] / "mlx_lm_ext").glob("*.py")):
+        if path.name == "patching.py":
+            continue
+        for top in ast.parse(path.read_text()).body:
+            for node in ast.walk(top):
+                func = getattr(node, "func", None)
+                if not (
+                    isinstance(func, ast.Attribute)
+                    and getattr(func.value, "id", None) == "patching"
+                    and func.attr in ("replace", "wrap", "scoped")
+                ):
+                    continue
+                owner = node.args[0]
+                assert isinstance(owner, ast.Constant), f"{path.name}: owner not a literal"
+                if func.attr == "scoped":  # items: (obj, "attr", value) tuples, maybe built before
+                    attrs = [
+                        t.elts[1].value
+                        for t in ast.walk(top)
+                        if isinstance(t, ast.Tuple)
+                        and len(t.elts) == 3
+                        and isinstance(t.elts[1], ast.Constant)
+                    ]
+                else:
+                    attrs = [node.args[2].value]
+                out |= {(owner.value, a, f"{path.stem}.{top.name}") for a in attrs}
+    return out
+
+
+def test_the_owner_table_is_what_the_core_patches():
+    from mlx_lm_ext import patching
+
+    table = {(r.owner, r.attribute.rsplit(".", 1)[1], r.installer) for r in patching.OWNERS}
+    calls = _ledger_calls()
+    assert calls - table == set(), "patched but not in patching.OWNERS"
+    assert table - calls == set(), "in patching.OWNERS but never patched"
+
+
+def _resolve(path):
+    """The object a table path names in the installed mlx-lm (``<arch>``: llama)."""
+    import importlib
+
+    path = path.replace("<arch>", "llama")
+    if "()." in path:  # an attribute of instances: look at a tiny model's
+        from mlx_lm.models import llama
+
+        from mlx_lm_ext.testing import tiny_config
+
+        cls_path, attr = path.split("().")
+        cls = _resolve(cls_path)
+        model = llama.Model(llama.ModelArgs.from_dict(tiny_config("llama")))
+        found = [m for _, m in model.named_modules() if isinstance(m, cls)]
+        assert found and all(callable(m.get(attr)) for m in found), path
+        return found[0][attr]
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+def test_every_attribute_in_the_owner_table_exists_in_mlx_lm():
+    import importlib
+
+    import mlx_lm
+
+    from mlx_lm_ext import patching
+
+    assert mlx_lm.__version__.startswith("0.32.")
+    for row in patching.OWNERS:
+        assert _resolve(row.attribute) is not None, row
+        module, function = row.installer.split(".")
+        assert callable(getattr(importlib.import_module(f"mlx_lm_ext.{module}"), function)), row
