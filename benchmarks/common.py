@@ -56,7 +56,8 @@ def target_name(args: argparse.Namespace, dtype: str = "float32") -> str:
     dtype = getattr(args, "standin_dtype", dtype) if args.standin else dtype
     if not args.standin:
         return f"SmolLM2-135M {dtype}"
-    layers = f" +{args.standin_layers} layers" if args.standin_layers else ""
+    n = args.standin_layers
+    layers = f" +{n} layer{'s' if n != 1 else ''}" if n else ""
     return f"SmolLM2-135M stand-in {args.standin}{layers} ({dtype})"
 
 
