@@ -118,7 +118,7 @@ def plan(
     config = dict(base, num_hidden_layers=base["num_hidden_layers"] + layers)
     base_width = base["intermediate_size"]
     if (size is None) == (intermediate_size is None):
-        raise ModelError("give a size (e.g. 1B) or an intermediate size, not both")
+        raise ModelError("give one of a size (e.g. 1B) and an intermediate size")
     if intermediate_size is None:
         target = parse_size(size)
         fixed = param_count(dict(config, intermediate_size=0))
