@@ -107,3 +107,37 @@ def test_a_drafter_as_dear_as_the_target_is_off_from_a_named_token(smollm2):
         "(a draft step costs about as much as a target step)"
     ) in st.line()
     assert st.plain_tokens >= 16 - st.off_at[0]
+
+
+def _watch(tokens, guess_len):
+    """Feed ``tokens`` to a resume watch whose drafter always guesses the
+    next ``guess_len`` of them right; the token count at which it says resume."""
+    from mlx_lm_spec_decode.controller import resume_watch
+
+    seen = []
+    watch = resume_watch(lambda: tokens[len(seen) : len(seen) + guess_len], lambda: seen[-1])
+    for t in tokens:
+        seen.append(t)
+        if watch():
+            return len(seen)
+    return None
+
+
+def test_short_guesses_that_keep_holding_resume_drafting():
+    """An n-gram drafter's guesses are often two tokens long: while they keep
+    holding, drafting resumes after three kept tokens as it does for long
+    guesses (before, a two-token guess could never reach three hits, and a
+    copying answer stayed off for the whole back-off)."""
+    tokens = list(range(100, 140))
+    assert _watch(tokens, 2) is not None and _watch(tokens, 2) <= 6
+    assert _watch(tokens, 8) is not None and _watch(tokens, 8) <= 6
+
+
+def test_guesses_that_miss_never_resume_drafting():
+    from mlx_lm_spec_decode.controller import resume_watch
+
+    seen = []
+    watch = resume_watch(lambda: [0, 0], lambda: seen[-1])
+    for t in range(1, 40):
+        seen.append(t)
+        assert not watch()
