@@ -395,3 +395,9 @@ def test_every_attribute_in_the_owner_table_exists_in_mlx_lm():
         assert _resolve(row.attribute) is not None, row
         module, function = row.installer.split(".")
         assert callable(getattr(importlib.import_module(f"mlx_lm_ext.{module}"), function)), row
+
+
+def test_the_owners_deactivation_undoes_are_owners_of_the_table():
+    from mlx_lm_ext import integration, patching
+
+    assert set(integration.NEEDS) <= {r.owner for r in patching.OWNERS}

@@ -20,7 +20,6 @@ def test_the_plugin_api_is_cheap_to_import_and_every_name_resolves():
         "for name in api.__all__:\n"
         "    value = getattr(api, name)\n"
         "    assert isinstance(value, types.ModuleType) or value.__doc__, name\n"
-        "assert sorted(api.__all__) == sorted(n for n in dir(api) if n in api.__all__)\n"
         "import importlib\n"
         "for mod in api.PUBLIC_MODULES:\n"
         "    importlib.import_module(mod)\n"
