@@ -15,7 +15,8 @@ Printed per C:
 - per call kind (stock's plain step, our plain step, our round at each
   window width W), the call's median and 90th percentile (ms);
 - a round's phases (median ms): ``propose`` (the drafters' lookups, the
-  decision), ``forward`` (the verify forward evaluated, acceptance read
+  decision), ``wait`` (reading the pending tokens back before building the
+  round: the step in flight finishing), ``forward`` (the verify forward evaluated, acceptance read
   back; for a round built ahead of its pending tokens this includes the
   step in flight), ``rest`` (rollback, emission, drafter updates);
 - a synchronous forward over ``[C, W]`` on a prefilled cache (built,
@@ -68,14 +69,20 @@ class Recorder:
 
     def __init__(self):
         self.kind = None
-        self.phases = {"propose": [], "forward": [], "rest": []}
+        self.phases = {"propose": [], "wait": [], "forward": [], "rest": []}
         self.kinds = []
         cls = batch_mod.SpecGenerationBatch
         self.saved = {n: getattr(cls, n) for n in ("_next", "_round", "_propose", "_check")}
         rec = self
 
+        def read_back(a):
+            t = time.perf_counter()
+            out = rec.read_back(a)
+            rec.t_wait += time.perf_counter() - t
+            return out
+
         def _next(self_):
-            rec.kind, rec.t_prop = "plain", 0.0
+            rec.kind, rec.t_prop, rec.t_wait = "plain", 0.0, 0.0
             t = time.perf_counter()
             out = rec.saved["_next"](self_)
             rec.kinds.append((rec.kind, time.perf_counter() - t))
@@ -89,13 +96,14 @@ class Recorder:
 
         def _round(self_, pending, drafts, *a):
             rec.kind = f"round W={1 + max(len(d) for d in drafts)}"
-            rec.t_check = 0.0
+            rec.t_check, w0 = 0.0, rec.t_wait
             t = time.perf_counter()
             out = rec.saved["_round"](self_, pending, drafts, *a)
             whole = time.perf_counter() - t
             rec.phases["propose"].append(rec.t_prop)
+            rec.phases["wait"].append(rec.t_wait)
             rec.phases["forward"].append(rec.t_check)
-            rec.phases["rest"].append(whole - rec.t_check)
+            rec.phases["rest"].append(whole - rec.t_check - (rec.t_wait - w0))
             return out
 
         def _check(self_, *a):
@@ -108,10 +116,13 @@ class Recorder:
         for n, f in (("_next", _next), ("_round", _round), ("_propose", _propose)):
             setattr(cls, n, f)
         cls._check = _check
+        self.read_back = batch_mod.read_back
+        batch_mod.read_back = read_back
 
     def restore(self):
         for n, f in self.saved.items():
             setattr(batch_mod.SpecGenerationBatch, n, f)
+        batch_mod.read_back = self.read_back
 
 
 def sync_forward(model, prompt, B, W, repeats):
@@ -128,14 +139,14 @@ def sync_forward(model, prompt, B, W, repeats):
     return statistics.median(times[2:])
 
 
-def run(model, tok, C, max_tokens):
+def run(model, tok, C, max_tokens, tree):
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
         for p in grounded()[:C]
     ]
     decode(BatchGenerator(model), prompts, 8)  # warm up
     stock, stock_calls = decode(BatchGenerator(model), prompts, max_tokens)
-    drafter = NGramDrafter()
+    drafter = NGramDrafter(tree=tree)
     decode(batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft), prompts, 32)
     rec = Recorder()
     try:
@@ -169,6 +180,7 @@ def main():
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--draft-tree", choices=["auto", "off"], default="auto")
     add_target_args(ap)
     args = ap.parse_args()
     try:
@@ -178,9 +190,12 @@ def main():
         ap.error(f"--concurrency: comma-separated positive integers, got {args.concurrency!r}")
     mx.set_default_device(getattr(mx, args.device))
     model, tok = load_target(args, args.dtype)
-    print(f"# {target_name(args, args.dtype)} on {args.device}, {args.max_tokens} tokens")
+    print(
+        f"# {target_name(args, args.dtype)} on {args.device}, {args.max_tokens} tokens, "
+        f"--draft-tree {args.draft_tree}"
+    )
     for C in levels:
-        run(model, tok, C, args.max_tokens)
+        run(model, tok, C, args.max_tokens, args.draft_tree != "off")
 
 
 if __name__ == "__main__":

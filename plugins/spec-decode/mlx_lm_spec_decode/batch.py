@@ -358,7 +358,8 @@ class SpecGenerationBatch(GenerationBatch):
             # Pipelined: this call waited for the previous step's forward
             # (on a GPU the forward it starts runs on after it returns).
             ctl = self.spec.ctl
-            self.owed = (time.perf_counter() - t0, lambda s: ctl.plain_step(B, s))
+            n = self.idle
+            self.owed = (time.perf_counter() - t0, lambda s: ctl.plain_step(B, s, n))
         self.last_plain_b = len(self.uids) if len(self.uids) == B else 0
         return out
 

@@ -164,6 +164,7 @@ class BatchController:
     OWN = 8  # verify rounds at a batch size on a neighbour's plain cost before its own
     TREE_SLACK = 0.05  # a tree round may cost this much of a plain step beyond a chain's
     TREE_RETRY = 32  # chain rounds between tree rounds once trees were found dear
+    AFTER = 4  # plain steps after a round whose excess over a plain step is the round's
 
     def __init__(self, gamma: int, gmax: int, adaptive: bool = True, auto_off: bool = True):
         self.gmax = max(1, gmax)
@@ -176,6 +177,8 @@ class BatchController:
         self.since_tree: Dict[int, int] = {}
         self.declined = 0  # decisions in a row that chose γ = 0
         self.yielded: Dict[int, deque] = {}  # B -> (tokens a round emitted, its seconds)
+        self.last_round: Optional[int] = None  # batch size of the last round recorded
+        self.charged = [False, False]  # its entries: a chain's timing, a yield
 
     def needs_plain(self, B: int) -> bool:
         """Whether plain steps at this batch size must be timed before deciding."""
@@ -186,7 +189,20 @@ class BatchController:
             return self._near(self.plain, B, 2) is None or rounds >= self.OWN
         return rounds >= self.REPROBE
 
-    def plain_step(self, B: int, seconds: float) -> None:
+    def plain_step(self, B: int, seconds: float, since_round: Optional[int] = None) -> None:
+        """A pipelined plain step took ``seconds``; ``since_round``: plain
+        steps since the last round, this one included, if the caller counts.
+
+        The first ``AFTER`` steps after a round are not timings of a plain
+        step: where a round slows the steps after it (on a GPU, MLX's
+        executable graphs of a ``[B, 1]`` step evicted by the round's
+        ``[B, W]`` and rebuilt), their excess over a plain step is the
+        round's cost, charged to the round just recorded."""
+        if since_round is not None and since_round <= self.AFTER and self.last_round == B:
+            p = self.plain_cost(B)
+            if p is not None:
+                self._charge(B, max(0.0, seconds - p))
+                return
         q = self.plain.setdefault(B, deque(maxlen=self.SAMPLES))
         if self.rounds.get(B, 0) >= self.REPROBE:
             self.rounds[B] = 0
@@ -198,10 +214,19 @@ class BatchController:
         near = self._near(self.plain, B, 1)
         return median(self.plain[near]) if near is not None else None
 
+    def _charge(self, B: int, seconds: float) -> None:
+        """Add ``seconds`` to the last round recorded at ``B`` (its timing and its yield)."""
+        for table in (self.verify, self.yielded):
+            q = table.get(B)
+            if q and self.charged[table is self.yielded]:
+                n, t = q[-1]
+                q[-1] = (n, t + seconds)
+
     def verify_round(
         self, B: int, width: int, seconds: float, tree: bool = False, tokens: int = 0
     ) -> None:
         self.rounds[B] = self.rounds.get(B, 0) + 1
+        self.last_round, self.charged = B, [not tree, bool(tokens)]
         if tokens:
             self.yielded.setdefault(B, deque(maxlen=self.SAMPLES)).append((tokens, seconds))
         if not tree:

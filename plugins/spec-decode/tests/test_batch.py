@@ -294,6 +294,32 @@ def test_controller_picks_the_faster_option_and_borrows_a_neighbours_costs():
     assert not ctl.needs_plain(6) and ctl.cost(6)[0] == 0.2
 
 
+def test_controller_charges_a_round_the_slowdown_of_the_steps_after_it():
+    """Plain steps slowed right after a round (a GPU rebuilding the step's
+    graphs) count against the round, not as the plain step's cost: rounds
+    that looked cheap on their own stop being chosen."""
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    def run(after):
+        ctl = BatchController(3, 8)
+        ctl.plain_step(4, 0.10)
+        ctl.plain_step(4, 0.10)
+        picks = []
+        for _ in range(6):
+            ctl.verify_round(4, 4, 0.12, tokens=8)  # 8 tokens in 0.12 s: 67 tok/s
+            for n in range(2, BatchController.AFTER + 1):  # the first is not timed
+                ctl.plain_step(4, after, n)
+            picks.append(ctl.choose(4, [3] * 4, [0.5] * 4))
+        return ctl, picks
+
+    clean, picks = run(0.10)
+    assert clean.plain_cost(4) == pytest.approx(0.10) and all(picks)
+    slowed, picks = run(0.16)  # each round costs 3 x 0.06 s more: 8 tokens in 0.30 s
+    assert slowed.plain_cost(4) == pytest.approx(0.10)
+    assert slowed.cost(4)[2] > clean.cost(4)[2]
+    assert picks[2:5] == [0, 0, 0]  # once explored (then a retry round, as ever)
+
+
 def test_controller_stops_drafting_where_rounds_emitted_less_than_plain_steps():
     from mlx_lm_spec_decode.batch_verify import BatchController
 
