@@ -105,3 +105,199 @@ def load_assistant(args: argparse.Namespace, path, target, **options):
     net = assistant.load_net(path, cfg)
     split = target_mod.split(target)
     return assistant.AssistantDrafter(target, net, cfg, split=split, **options)
+
+
+# ------------------------------------------------------------ run records
+#
+# Every benchmark opens its output with ``header_line()`` (the commit, the
+# machine, the versions, the command) so that a results file names what it
+# ran at; times carry the statistic they are (``Timing.statistic``); tables
+# are markdown; ``dump_json`` writes the figures with the same header.
+
+
+def _git(*args: str) -> str:
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def commit() -> str:
+    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files differ from it."""
+    head = _git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return head + ("+dirty" if dirty else "")
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """The machine a run measured: OS, CPU, core count, load, GPU, MLX's device."""
+    import importlib.metadata as md
+    import os
+    import platform
+
+    import mlx.core as mx
+
+    info = {
+        "os": f"{platform.system()} {platform.machine()}",
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "load": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
+        "gpu": None,
+    }
+    if mx.default_device() == mx.gpu:
+        try:
+            info["gpu"] = mx.device_info().get("device_name")
+        except Exception:  # an older MLX: the device is named, not described
+            info["gpu"] = "gpu"
+    for name in ("mlx", "mlx-lm"):
+        try:
+            info[name] = md.version(name)
+        except md.PackageNotFoundError:
+            info[name] = None
+    return info
+
+
+def command(argv=None) -> str:
+    """The command line as typed from the repository root: ``python benchmarks/x.py ...``."""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    argv = list(sys.argv if argv is None else argv)
+    if argv:
+        try:
+            argv[0] = str(Path(argv[0]).resolve().relative_to(Path(__file__).resolve().parents[1]))
+        except ValueError:
+            pass
+    return "python " + shlex.join(argv)
+
+
+def header(argv=None) -> dict:
+    """The run's record: ``commit``, ``command``, ``date`` (UTC) and ``machine()``."""
+    import datetime
+
+    return {
+        "commit": commit(),
+        "command": command(argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+    }
+
+
+def header_line(info: dict | None = None) -> str:
+    """One line for the top of a run's output (and of its results file)."""
+    info = info or header()
+    m = info["machine"]
+    where = m["gpu"] or f"{m['cpu']}, {m['cores']} cores"
+    load = f", load {m['load']}" if m.get("load") is not None else ""
+    return (
+        f"Run at commit {info['commit']} on {info['date']}: `{info['command']}` "
+        f"({m['os']}, {where}{load}; MLX {m['mlx']} on {m['device']}, mlx-lm {m['mlx-lm']})"
+    )
+
+
+def print_header(info: dict | None = None) -> dict:
+    """Print ``header_line`` and return the record (for ``dump_json``)."""
+    info = info or header()
+    print(header_line(info), flush=True)
+    return info
+
+
+class Timing:
+    """Times of repeated runs and the statistic a table reports (the median)."""
+
+    def __init__(self, times, warmup: int):
+        import statistics
+
+        self.times, self.warmup = list(times), warmup
+        self.median = statistics.median(self.times)
+        self.min, self.max = min(self.times), max(self.times)
+
+    @property
+    def statistic(self) -> str:
+        return f"median of {len(self.times)} after {self.warmup} warm-up"
+
+    def as_dict(self) -> dict:
+        return {
+            "median": self.median,
+            "min": self.min,
+            "max": self.max,
+            "n": len(self.times),
+            "warmup": self.warmup,
+            "statistic": self.statistic,
+        }
+
+
+def timed(fn, *args, repeats: int = 5, warmup: int = 1, clock=None):
+    """``(Timing, last result)`` of ``fn(*args)`` run ``warmup + repeats`` times.
+
+    ``fn`` must finish its work before it returns (``mx.eval`` what it
+    computes). ``clock`` defaults to ``time.perf_counter``; pass
+    ``time.process_time`` on a shared machine to count this process's CPU.
+    """
+    import time
+
+    clock = clock or time.perf_counter
+    times, out = [], None
+    for i in range(warmup + repeats):
+        tic = clock()
+        out = fn(*args)
+        if i >= warmup:
+            times.append(clock() - tic)
+    return Timing(times, warmup), out
+
+
+def table(columns, rows) -> str:
+    """A markdown table: ``columns`` names, ``rows`` sequences of cells (str() each)."""
+    lines = ["| " + " | ".join(str(c) for c in columns) + " |"]
+    lines.append("|" + "---|" * len(columns))
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def figures_block(name: str, columns, rows, note: str = "") -> str:
+    """A results file's fenced ``json figures`` block: the table a README shows.
+
+    ``benchmarks/readme_tables.py`` renders it between the README's
+    ``<!-- figures: NAME -->`` and ``<!-- /figures -->`` markers.
+    """
+    import json
+
+    def dumps(x):
+        return json.dumps(x, ensure_ascii=False)
+
+    lines = [f' "name": {dumps(name)},', f' "columns": {dumps([str(c) for c in columns])},']
+    if note:
+        lines.append(f' "note": {dumps(note)},')
+    body = ",\n".join("  " + dumps([str(c) for c in r]) for r in rows)
+    lines.append(' "rows": [\n' + body + "\n ]")
+    return "```json figures\n{\n" + "\n".join(lines) + "\n}\n```"
+
+
+def dump_json(path, data, info: dict | None = None) -> None:
+    """Write ``{"header": info, **data}`` to ``path`` (a folder is made)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"header": info or header(), **data}, indent=1, default=str) + "\n")
