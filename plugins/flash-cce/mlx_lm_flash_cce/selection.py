@@ -126,6 +126,13 @@ def _with_blocks(cand: Candidate, opts: portable.Options) -> portable.Options:
     return opts
 
 
+def _trial_covers(spec: heads.Head, opts: portable.Options) -> bool:
+    """The trial measures plain heads in the paths' own blocks, with exact gradients."""
+    plain = spec.bias is None and not spec.has_lora
+    exact = opts.filter_eps is None and opts.block_skip_eps is None
+    return plain and exact and not opts.vocab_chunk
+
+
 def _untuned(spec, h, opts, runnable) -> Candidate:
     """A call the trial does not cover: the first of cuda, mlx-blocks (GPU), mlx that runs it."""
     gpu = _budget.is_async_gpu()
@@ -158,8 +165,7 @@ def select(
             raise PluginError(f"flash-cce path {path.value!r} cannot run this call here: {why}")
         return Plan(path, opts, _limit(path, opts), explicit)
     runnable = [p for p in FLASH if backends.refuses(p, spec, h, opts) is None]
-    tunable = not (spec.bias is not None or spec.has_lora or opts.vocab_chunk)
-    if not tunable or opts.filter_eps is not None or opts.block_skip_eps is not None:
+    if not _trial_covers(spec, opts):
         cand = _untuned(spec, h, opts, runnable)
     else:
         frozen = {"weight": False, "bias": False, "lora": False}
