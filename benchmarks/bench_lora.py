@@ -44,15 +44,19 @@ lora.main()
 """
 
 
-def write_data(folder: Path, tok, seq: int, rows: int) -> None:
-    """``train.jsonl`` / ``valid.jsonl``: Python's LICENSE in ``seq``-token pieces, repeated to ``rows``."""
+def write_data(folder: Path, tok, seq: int, rows: int, valid: int) -> None:
+    """``train.jsonl`` / ``valid.jsonl`` (``rows`` / ``valid`` examples of ``seq`` tokens).
+
+    Python's LICENSE in pieces, repeated as needed: this measures time, not learning.
+    """
     text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
     ids = tok.encode(text)
+    seq -= 1  # the trainer appends EOS
     pieces = [tok.decode(ids[i * seq : (i + 1) * seq]) for i in range(len(ids) // seq)]
     if not pieces:
         raise SystemExit(f"the text is shorter than {seq} tokens")
-    pieces = (pieces * (rows // len(pieces) + 2))[: rows + 1]  # repeated: timing, not learning
-    for name, part in (("train", pieces[:rows]), ("valid", pieces[rows : rows + 1])):
+    pieces = (pieces * ((rows + valid) // len(pieces) + 1))[: rows + valid]  # timing, not learning
+    for name, part in (("train", pieces[:rows]), ("valid", pieces[rows:])):
         with open(folder / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps({"text": p}) + "\n" for p in part)
 
@@ -134,7 +138,9 @@ def main():
     )
     runs = {}
     with tempfile.TemporaryDirectory() as d:
-        write_data(Path(d), load_tokenizer(model), a.max_seq_length, a.batch_size * a.iters)
+        write_data(
+            Path(d), load_tokenizer(model), a.max_seq_length, a.batch_size * a.iters, a.batch_size
+        )
         for loss in a.losses:
             runs[loss] = one_run(model, Path(d), loss, a)
             for line in runs[loss]["log"]:
