@@ -19,8 +19,12 @@ def enable(name: str, **options: object) -> object:
 
     ``options`` are the plugin's command-line flags as keywords
     (``--ssd-cache-dir`` is ``ssd_cache_dir``); flags left out get their
-    command-line defaults. Raises ``PluginError`` for an unknown plugin or a
-    bad option.
+    command-line defaults. They are checked as the command line checks the
+    flags (a choice among the choices, a switch True or False, a value of
+    the flag's type; text goes through that type). Raises ``PluginError``
+    for an unknown plugin or a bad option. A plugin that drafts
+    (spec-decode) then drafts in ``mlx_lm.generate`` and
+    ``mlx_lm.stream_generate`` calls that pass no ``draft_model``.
     """
     import logging
 
