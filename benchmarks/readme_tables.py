@@ -12,7 +12,8 @@ or, for a file whose run predates the stamp, ``Recorded at commit abc1234
 (``benchmarks/common.py``'s ``figures_block`` writes one). A README holds
 each table between markers, ``<!-- figures: NAME -->`` and ``<!-- /figures
 -->``; this script rewrites what lies between them: the table, then a line
-naming the results file and the commit. A block may carry its own
+naming the results file and the commit. ``<!-- figures: a b -->`` joins the
+rows of blocks that share their columns (a summary across plugins). A block may carry its own
 ``"commit"`` when its run is not the file's first line's.
 
     python benchmarks/readme_tables.py          # rewrite the READMEs
@@ -31,7 +32,7 @@ RESULTS = "benchmarks/results"
 READMES = ("README.md", "benchmarks/README.md", "plugins/*/README.md", "docs/*.md")
 STAMP = re.compile(r"^(?:Run|Recorded) at commit ([0-9a-f]{7,40}(?:\+dirty)?)\b")
 BLOCK = re.compile(r"^```json figures\n(.*?)^```$", re.S | re.M)
-MARKER = re.compile(r"(<!-- figures: ([\w.-]+) -->\n)(.*?)(<!-- /figures -->)", re.S)
+MARKER = re.compile(r"(<!-- figures: ([\w. -]+?) -->\n)(.*?)(<!-- /figures -->)", re.S)
 
 
 class FiguresError(Exception):
@@ -72,25 +73,38 @@ def read_figures(root: Path = ROOT) -> dict:
     return figures
 
 
-def render(block: dict, readme: Path, root: Path = ROOT) -> str:
-    """The markdown between a README's markers: the table and where it came from."""
-    lines = ["| " + " | ".join(block["columns"]) + " |", "|" + "---|" * len(block["columns"])]
-    lines += ["| " + " | ".join(row) + " |" for row in block["rows"]]
-    link = os.path.relpath(root / block["file"], readme.parent).replace(os.sep, "/")
-    note = f"{block['note']} " if block.get("note") else ""
-    source = f"{note}From [`{block['file']}`]({link}) at commit {block['commit']}."
-    return "\n".join(lines) + "\n\n" + source + "\n"
+def render(blocks: list, readme: Path, root: Path = ROOT) -> str:
+    """The markdown between a README's markers: one table, then where each part came from.
+
+    Several blocks (``<!-- figures: a b -->``) must share their columns; their
+    rows are joined in order.
+    """
+    columns = blocks[0]["columns"]
+    if any(b["columns"] != columns for b in blocks):
+        raise FiguresError(f"figures {[b['name'] for b in blocks]}: the columns differ")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for b in blocks for row in b["rows"]]
+    notes = " ".join(b["note"] for b in blocks if b.get("note"))
+    sources = []
+    for b in blocks:
+        link = os.path.relpath(root / b["file"], readme.parent).replace(os.sep, "/")
+        source = f"[`{b['file']}`]({link}) at commit {b['commit']}"
+        if source not in sources:
+            sources.append(source)
+    where = "From " + "; ".join(sources) + "."
+    return "\n".join(lines) + "\n\n" + (f"{notes} " if notes else "") + where + "\n"
 
 
 def update(text: str, readme: Path, figures: dict, root: Path = ROOT) -> str:
     """``text`` with every marked table regenerated; unknown names raise FiguresError."""
 
     def one(m):
-        name = m[2]
-        if name not in figures:
-            rel = readme.relative_to(root).as_posix()
-            raise FiguresError(f"{rel}: no results file has figures {name!r}")
-        return m[1] + render(figures[name], readme, root) + m[4]
+        names = m[2].split()
+        for name in names:
+            if name not in figures:
+                rel = readme.relative_to(root).as_posix()
+                raise FiguresError(f"{rel}: no results file has figures {name!r}")
+        return m[1] + render([figures[n] for n in names], readme, root) + m[4]
 
     if text.count("<!-- figures: ") != len(MARKER.findall(text)):
         raise FiguresError(f"{readme.relative_to(root).as_posix()}: a figures marker is not closed")

@@ -58,8 +58,9 @@ def test_every_marked_table_names_its_file_and_commit():
     for path in tables.readmes(ROOT):
         text = path.read_text(encoding="utf-8")
         for m in tables.MARKER.finditer(text):
-            block = figures[m[2]]
-            assert f"`{block['file']}`" in m[3] and f"commit {block['commit']}" in m[3]
+            for name in m[2].split():
+                block = figures[name]
+                assert f"`{block['file']}`) at commit {block['commit']}" in m[3]
 
 
 def test_a_stale_table_is_found_and_rewritten(tmp_path):
@@ -96,3 +97,21 @@ def test_an_unknown_name_an_open_marker_and_an_unstamped_file_are_errors(tmp_pat
     with pytest.raises(tables.FiguresError, match="names no commit"):
         tables.stale(root)
     assert tables.unstamped(root) == ["benchmarks/results/x-cpu.md"]
+
+
+def test_a_summary_joins_blocks_and_names_each_file(tmp_path):
+    other = (
+        RESULT.replace("abc1234", "fedcba9")
+        .replace("x-cpu", "z-cpu")
+        .replace(', "note": "Median of 5."', "")
+    )
+    root = _tree(tmp_path, readme=README.replace("figures: x-cpu", "figures: x-cpu z-cpu"))
+    (root / "benchmarks" / "results" / "z-cpu.md").write_text(other)
+    tables.stale(root, write=True)
+    text = (root / "plugins" / "p" / "README.md").read_text()
+    assert text.count("| a | 1.00x |") == 2
+    assert "x-cpu.md) at commit abc1234; [`benchmarks/results/z-cpu.md`]" in text
+    assert "z-cpu.md) at commit fedcba9." in text
+    (root / "benchmarks" / "results" / "z-cpu.md").write_text(other.replace('"time"', '"speed"'))
+    with pytest.raises(tables.FiguresError, match="the columns differ"):
+        tables.stale(root)
