@@ -367,10 +367,17 @@ class VerifyLoop:
 
     def _nothing_drafted(self, remaining, t0):
         # Nothing to propose: one plain step, and after a few in a row (open
-        # text, not the short gaps of a copy) a pipelined run that doubles
-        # (2, 4, 8 tokens), so open text costs what mlx-lm's loop costs. (A
+        # text, not the short gaps of a copy) pipelined runs, so open text
+        # costs what mlx-lm's loop costs. A free drafter (a lookup, no
+        # forward) is asked after each token of one run that lasts until it
+        # proposes again; another doubles its runs (2, 4, 8 tokens). (A
         # drafter reading hidden states is asked every step.)
         self.misses = 0 if self.drafter.needs_hidden else self.misses + 1
+        if self.free and self.misses > MISS_RUN:
+            k = max(1, self.ctl.gamma)
+            watch = lambda: len(self.drafter.draft(self.ctx, k)[0]) > 0  # noqa: E731
+            yield from self.plain(remaining, t0, watch=watch)
+            return
         run = 1 if self.misses <= MISS_RUN else 1 << min(self.misses - MISS_RUN, 3)
         yield from self.plain(min(run, remaining), t0)
 

@@ -169,6 +169,7 @@ class TreeRounds:
         a tree is pending for ``verify``."""
         loop = self.loop
         loop.ctl.free_drafts()
+        loop.free = True  # lists of ids: asking costs no forward
         cost = loop.ctl.verify_cost()
         # Depth: the controller's γ until the verify cost is measured, then
         # as deep as the cost rule and the request allow.

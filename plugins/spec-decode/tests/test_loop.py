@@ -346,22 +346,31 @@ def test_verify_cost_model_switches_off_where_drafting_cannot_pay(verify_cost, o
 
 
 def test_nothing_to_propose_decodes_in_pipelined_runs(tiny_llama, repetitive_prompt):
+    """Open text (no proposals) decodes as stock in one pipelined run, the
+    free drafter asked after each token; drafting starts the token after it
+    proposes again, not at the end of a run."""
     model, tok = tiny_llama
     prompt = repetitive_prompt(tok)
+    n, from_pos = 40, 20
+    ref = stock(model, prompt, n)
 
-    class Mute(NGramDrafter):  # a lookup that never matches (open text)
-        asked = 0
+    class Mute(NGramDrafter):  # no match (open text), then an oracle
+        rounds = []
 
-        def draft(self, ctx, n):
-            Mute.asked += 1
-            return [], None
+        def draft(self, ctx, k):
+            pos = len(ctx.cache[0].tokens) - len(prompt)
+            return (ref[pos : pos + k] if pos >= from_pos else []), None
 
-    out = spec(model, Mute(auto_off=False), prompt, 40, k=3)
-    assert out == stock(model, prompt, 40)
-    # 4 single steps, then runs of 2, 4, 8, 8, ... tokens between lookups.
-    assert Mute.asked <= 10
+        def accept(self, ctx, tokens, n_drafted):
+            if n_drafted:
+                Mute.rounds.append(len(ctx.cache[0].tokens) - len(prompt))
+            super().accept(ctx, tokens, n_drafted)
+
+    out = spec(model, Mute(auto_off=False), prompt, n, k=3)
+    assert out == ref
     s = last_stats()
-    assert s.emitted == 40 and s.drafted == 0
+    assert s.emitted == n and s.accepted > 0
+    assert Mute.rounds[0] <= from_pos + 2  # the first round's drafts were accepted
 
 
 def test_drafting_resumes_when_guesses_start_to_hold(tiny_llama, repetitive_prompt, monkeypatch):
