@@ -60,7 +60,8 @@ def test_every_marked_table_names_its_file_and_commit():
         for m in tables.MARKER.finditer(text):
             for name in m[2].split():
                 block = figures[name]
-                assert f"`{block['file']}`) at commit {block['commit']}" in m[3]
+                assert f"[`{block['file']}`](" in m[3]
+                assert f"{block['file']}) at commit {block['commit']}" in m[3]
 
 
 def test_a_stale_table_is_found_and_rewritten(tmp_path):
