@@ -107,8 +107,9 @@ def test_bad_options_are_refused_as_the_command_line_refuses_them(off, options, 
 
 
 def test_option_text_goes_through_the_flag_type_as_on_the_command_line(off):
-    mlx_lm_ext.enable("spec-decode", drafter="ngram", draft_max="6", ngram_min="3")
-    from mlx_lm_ext import plugins
+    from mlx_lm_ext.integration import option_values
 
-    options = plugins.STATE.active["spec-decode"].options
-    assert (options.draft_max, options.ngram_min, options.drafter) == (6, 3, "ngram")
+    given = {"drafter": "ngram", "draft_max": "6", "ngram_min": "3", "no_auto_off": True}
+    assert option_values("spec-decode", given) == dict(given, draft_max=6, ngram_min=3)
+    mlx_lm_ext.enable("spec-decode", **given)
+    assert mlx_lm_ext.enabled() == ["spec-decode"]
