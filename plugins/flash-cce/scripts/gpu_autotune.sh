@@ -2,7 +2,7 @@
 # Device run for the auto backend and the memory budget: the one-table
 # benchmark (each path and auto's choice, ratios against stock in the same
 # run), the whole LoRA step on a ~1B random-weight llama, the CUDA tests.
-# Usage (repo root): SITE=DIR OUT=DIR [WHEELS="DIR ..."] [CACHE=DIR] \
+# Usage (repo root): WHEELS=DIR OUT=DIR [CACHE=DIR] \
 #   bash plugins/flash-cce/scripts/gpu_autotune.sh [auto] [step] [trial] [tests]
 # AUTO_KINDS (bf16 q4) and AUTO_SHAPES (NxVxH ...) narrow the table.
 set -u

@@ -1,6 +1,6 @@
 #!/bin/bash
 # flash-cce's GPU checks on a CUDA machine: the heads benchmark and the parity tests.
-# Usage (repo root): SITE=DIR OUT=DIR [WHEELS="DIR ..."] bash plugins/flash-cce/scripts/gpu_bench.sh [tests|bench|all]
+# Usage (repo root): WHEELS=DIR OUT=DIR bash plugins/flash-cce/scripts/gpu_bench.sh [tests|bench|all]
 set -u
 what=${1:-all}
 source "$(dirname "$0")/stage.sh"

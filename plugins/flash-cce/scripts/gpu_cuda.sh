@@ -1,6 +1,6 @@
 #!/bin/bash
 # Device run for the fused CUDA kernels: smoke check, tests, benchmark table.
-# Usage (repo root): SITE=DIR OUT=DIR [WHEELS="DIR ..."] [CACHE=DIR] \
+# Usage (repo root): WHEELS=DIR OUT=DIR [CACHE=DIR] \
 #   bash plugins/flash-cce/scripts/gpu_cuda.sh [smoke] [tests] [bench]
 set -u
 source "$(dirname "$0")/stage.sh"
