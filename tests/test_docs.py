@@ -1,10 +1,14 @@
-"""The docs name only code that exists.
+"""The docs name only code that exists, and link only to what exists.
 
 Every backticked ``module.name`` in the READMEs and ``docs/`` whose module is
 one of ours (by its last part, e.g. ``integration.enable``, or dotted,
 ``mlx_lm_ext.integration.enable``) must name a function, class or variable
 defined there; every ``mlx_lm.module.name`` must exist in the installed
 mlx-lm. The code is read with ``ast`` (ours) or imported (mlx-lm's).
+
+Every relative link ``[text](path#anchor)`` must point to an existing file
+and, with an anchor, to a heading of that file (GitHub's anchors); and
+``docs/architecture.md`` stays a short map.
 """
 
 import ast
@@ -153,3 +157,80 @@ def test_a_stale_name_is_caught():
     assert check("mlx_lm_ext.plugins", modules) is None
     assert check("mlx_lm.generate.stream_generate", modules) is None
     assert check("mlx_lm.generate.no_such_function", modules) is not None
+
+
+# ------------------------------------------------------------------- links
+
+# `[text](target)`, the text possibly over several lines; not images' `![`.
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+ARCH_MAX_LINES = 320
+
+
+def _strip_fences(text):
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def _without_code(text):
+    """The text with fenced code blocks and inline code removed."""
+    return re.sub(r"`[^`\n]*`", "", _strip_fences(text))
+
+
+def anchors(text):
+    """The anchors GitHub makes for a markdown file's headings."""
+    out, seen = set(), {}
+    for m in re.finditer(r"^#{1,6}\s+(.*?)\s*#*\s*$", _strip_fences(text), re.M):
+        slug = m.group(1).strip().lower()
+        slug = re.sub(r"[^\w\- ]", "", slug).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def bad_links(doc):
+    """Why each relative link of ``doc`` does not resolve."""
+    bad = []
+    for target in LINK.findall(_without_code(doc.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # http:, https:, mailto:
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.exists():
+            bad.append(
+                f"{target}: no file {dest.relative_to(ROOT) if ROOT in dest.parents else dest}"
+            )
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+            bad.append(f"{target}: no heading #{anchor} in {dest.name}")
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_to_existing_files_and_headings(doc):
+    assert bad_links(doc) == []
+
+
+def test_a_broken_link_is_caught(tmp_path):
+    (tmp_path / "other.md").write_text("# Other\n\n## A `code` heading: here\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "# Doc\n[fine](other.md#a-code-heading-here) [self](#doc) [web](https://x.org/a)\n"
+        "[gone](missing.md) [no heading](other.md#nowhere) [no anchor](#other)\n"
+        "`[in code](missing.md)`\n"
+    )
+    assert [b.split(":")[0] for b in bad_links(doc)] == [
+        "missing.md",
+        "other.md#nowhere",
+        "#other",
+    ]
+    assert anchors("## Start-up: `mlx_lm_ext.pth` -> `_boot`\n## X\n## X\n") == {
+        "start-up-mlx_lm_extpth---_boot",
+        "x",
+        "x-1",
+    }
+
+
+def test_the_architecture_doc_stays_a_short_map():
+    lines = (ROOT / "docs" / "architecture.md").read_text().count("\n")
+    assert lines <= ARCH_MAX_LINES, (
+        f"docs/architecture.md has {lines} lines (at most {ARCH_MAX_LINES})"
+    )
