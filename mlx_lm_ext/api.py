@@ -7,7 +7,7 @@ use ``mlx_lm_ext.testing``. ``PUBLIC_MODULES`` names them, and
 ``tests/test_plugin_api.py`` holds every plugin to it. The rest of
 ``mlx_lm_ext`` is the host's and may change under a plugin.
 
-What each name is for (``docs/architecture.md``, "The plugin API", says
+What each name is for (``docs/core.md``, "The plugin API", says
 where the host uses it):
 
 * ``PluginError``: raise it for bad user input (one line, exit status 2).

@@ -5,7 +5,7 @@
 parser ``--plugin`` (and lora ``--loss``); everything else is installed when
 a plugin is activated (``on_activate``), so a command where no plugin is
 named runs mlx-lm's own code. Every change to mlx-lm goes through the ledger
-in ``patching`` under an owner named here; ``docs/architecture.md`` lists
+in ``patching`` under an owner named here; ``docs/core.md`` lists
 them with the mlx-lm facts each one relies on.
 """
 

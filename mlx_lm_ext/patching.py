@@ -10,7 +10,7 @@ patched now (``mlx-lm-ext doctor`` and the tests read it).
 ``OWNERS`` is the one table of what may be patched: each owner, the mlx-lm
 attributes it patches and the core function that installs them. The ledger
 refuses an owner or an attribute the table does not list;
-``docs/architecture.md`` (section 4) lists the same rows with what each
+``docs/core.md`` ("How mlx-lm is patched") lists the same rows with what each
 wrapper does, and ``tests/test_hooks.py`` holds the table, the code and the
 doc to one another and to the installed mlx-lm.
 """

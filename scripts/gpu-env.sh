@@ -1,7 +1,7 @@
 # Source on a GPU machine without network, from the repository root:
 #   source scripts/gpu-env.sh WHEELS_DIR
 # WHEELS_DIR holds the staged parts, as scripts/gpu-stage.sh writes them
-# where there is network (see "MLX on NVIDIA GPUs" in docs/architecture.md): MLX's wheels (the CUDA wheel split in
+# where there is network (see "MLX on NVIDIA GPUs" in docs/gpu.md): MLX's wheels (the CUDA wheel split in
 # mlx_cuda_13.part.*), the SmolLM2 GGUF split in gguf.part.*, and the
 # platformdirs and tqdm wheels. Joins and installs them into /tmp/site once
 # (a second source reuses it), registers the plugins' entry points, and puts

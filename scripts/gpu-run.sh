@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # benchmarks/bench_gpu.py on a GPU machine without network: the packages and
 # the offline model come from the folder scripts/gpu-stage.sh staged, set up
-# by scripts/gpu-env.sh (see "MLX on NVIDIA GPUs" in docs/architecture.md).
+# by scripts/gpu-env.sh (see "MLX on NVIDIA GPUs" in docs/gpu.md).
 #
 # Usage, from the repository root:
 #   OUT=DIR bash scripts/gpu-run.sh WHEELS_DIR [bench_gpu.py flags]

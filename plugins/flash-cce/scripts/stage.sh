@@ -3,7 +3,7 @@
 # repository's one staging step, scripts/gpu-env.sh (MLX's CUDA wheels and
 # the offline model from the folder scripts/gpu-stage.sh staged, the plugins
 # registered, this tree on PYTHONPATH; see "MLX on NVIDIA GPUs" in
-# docs/architecture.md).
+# docs/gpu.md).
 #
 #   WHEELS  the staged folder; required
 #   OUT     folder for logs and JSON; required

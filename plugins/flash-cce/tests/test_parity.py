@@ -144,7 +144,7 @@ def test_bfloat16_error_no_larger_than_stock(cap, n):
 # --------------------------------------------------------------------- heads
 
 # Hidden 128, not 64: MLX 0.32.4's CUDA quantized_matmul is wrong when the
-# hidden size equals the group size (see "MLX on NVIDIA GPUs" in docs/architecture.md),
+# hidden size equals the group size (see "MLX on NVIDIA GPUs" in docs/gpu.md),
 # which would
 # break the stock reference on a GPU.
 H, V, N = 128, 300, 37
