@@ -8,9 +8,10 @@ SmolLM2-135M: the model fingerprint, one save, the file's size, and what a
 new process pays to get it back (fingerprint, read, check, index again).
 """
 
+import argparse
 import tempfile
-import time
 
+import common
 import numpy as np
 from mlx_lm import load
 
@@ -19,30 +20,33 @@ from mlx_lm_spec_decode import corpus_store
 from mlx_lm_spec_decode import suffix as sx
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
 def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each step (median)")
+    a = p.parse_args()
+    common.print_header()
     model, tok = load(str(models.build("smollm2-135m-f32")))
     key = sx.tokenizer_key(tok)
-    _, t_fp = timed(lambda: corpus_store.fingerprint(model, key))
+    t_fp, _ = common.timed(corpus_store.fingerprint, model, key, repeats=a.repeats, warmup=0)
     root = tempfile.mkdtemp()
     rng = np.random.default_rng(0)
     corpus = sx.corpus_for(model, key, 1_000_000, root)
     for _ in range(2000):
         corpus.add(rng.integers(0, 49152, 500).tolist())
     store = corpus.after_add.__self__
-    _, t_save = timed(lambda: store.save(True))
+    t_save, _ = common.timed(store.save, True, repeats=a.repeats, warmup=0)
     size = store.path.stat().st_size
-    sx._CORPORA.clear()  # what a new process starts from
-    again, t_load = timed(lambda: sx.corpus_for(model, key, 1_000_000, root))
+
+    def load_again():
+        sx._CORPORA.clear()  # what a new process starts from
+        return sx.corpus_for(model, key, 1_000_000, root)
+
+    t_load, again = common.timed(load_again, repeats=a.repeats, warmup=0)
     assert np.array_equal(again.tokens_in_order(), corpus.tokens_in_order())
-    print("| corpus tokens | file MB | fingerprint s | save s | load + index s |")
-    print("|---|---|---|---|---|")
-    print(f"| {len(corpus)} | {size / 1e6:.2f} | {t_fp:.3f} | {t_save:.3f} | {t_load:.3f} |")
+    print(f"seconds: {t_load.statistic}")
+    cols = ["corpus tokens", "file MB", "fingerprint s", "save s", "load + index s"]
+    row = [len(corpus), f"{size / 1e6:.2f}", f"{t_fp.median:.3f}", f"{t_save.median:.3f}"]
+    print(common.table(cols, [row + [f"{t_load.median:.3f}"]]))
 
 
 if __name__ == "__main__":

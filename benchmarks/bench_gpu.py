@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+import common
+
 HERE = Path(__file__).resolve().parent
 ANCHORS = {  # stock bf16 loss + gradient on the H200, ms
     (8192, 151936, 2048): 15.3,
@@ -250,6 +252,7 @@ def main():
     p.add_argument("--timeout", type=float, default=900, help="seconds per child benchmark")
     p.add_argument("--table-only", action="store_true")
     a = p.parse_args()
+    common.print_header()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if not a.table_only:

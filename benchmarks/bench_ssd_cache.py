@@ -26,7 +26,6 @@ measured against stock mlx-lm in the same run:
 import argparse
 import copy
 import gc
-import json
 import os
 import sys
 import sysconfig
@@ -34,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import common
 import mlx.core as mx
 import numpy as np
 
@@ -420,6 +420,7 @@ def main():
     p.add_argument("--model", default=None, help="model folder (default: smollm2-135m-f32)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
+    info = common.print_header()
 
     from mlx_lm import load
 
@@ -445,7 +446,7 @@ def main():
             itl(model, tok, key, work, big, prompt, args.itl_tokens, args.every, args.rounds)
     if args.json:
         RESULTS.update(model=path, blas=blas, mlx=mx.__version__, device=str(mx.default_device()))
-        Path(args.json).write_text(json.dumps(RESULTS, indent=1, default=float))
+        common.dump_json(args.json, RESULTS, info)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import sys
 import sysconfig
 import time
 
+import common
+
 
 def import_time_us():
     r = subprocess.run(
@@ -45,6 +47,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=40)
     args = parser.parse_args()
+    common.print_header()
 
     imports = sorted(import_time_us() for _ in range(args.runs // 4 or 1))
     env = dict(os.environ)

@@ -57,6 +57,8 @@ import time
 import urllib.request
 from http.server import ThreadingHTTPServer
 
+import common
+
 import mlx_lm_ext
 from mlx_lm_ext import metrics, models, monitoring, patching
 
@@ -289,6 +291,7 @@ def main():
     p.add_argument("--pairs", type=int, default=20, help="(stock, status) pairs (default 20)")
     p.add_argument("--max-tokens", type=int, default=32)
     a = p.parse_args()
+    common.print_header()
     mlx_lm_ext._boot.install()
     import mlx_lm.server  # noqa: F401  (patched by the start-up hook: owner "core")
 

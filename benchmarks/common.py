@@ -300,7 +300,15 @@ def dump_json(path, data, info: dict | None = None) -> None:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"header": info or header(), **data}, indent=1, default=str) + "\n")
+
+    def plain(x):  # numpy and MLX scalars as numbers, anything else as text
+        try:
+            return float(x)
+        except (TypeError, ValueError):
+            return str(x)
+
+    text = json.dumps({"header": info or header(), **data}, indent=1, default=plain)
+    path.write_text(text + "\n")
 
 
 def grad_cost(fn, args, repeats: int = 3, warmup: int = 1, compiled: bool = False):
