@@ -2,7 +2,7 @@
 
 Runs the plugins' own benchmarks as child processes, each with ``--json``,
 then prints one Markdown table with each figure beside its anchor (stock
-mlx-lm measured in the same run, or a stock anchor figure):
+mlx-lm measured in the same run):
 
 - flash-cce: loss + hidden-state gradient at (N, V, H) = (8192, 151936, 2048)
   and (8192, 262144, 2560) (plus ``--flash-extra`` shapes), bf16 dense and
@@ -31,10 +31,6 @@ from pathlib import Path
 import common
 
 HERE = Path(__file__).resolve().parent
-ANCHORS = {  # stock bf16 loss + gradient on the H200, ms
-    (8192, 151936, 2048): 15.3,
-    (8192, 262144, 2560): 34.5,
-}
 
 
 def child(args, log, timeout):
@@ -162,9 +158,6 @@ def flash_rows(out):
                 vs.append(f"{b['seconds'] / r['seconds']:.2f}x stock's speed")
                 if "peak" in r:
                     vs.append(f"{b['peak'] / max(r['peak'], 1):.0f}x less memory")
-            anchor = ANCHORS.get(key[:3]) if r["head"] == "bf16" else None
-            if anchor and not r["method"].startswith("stock"):
-                vs.append(f"anchor {anchor} ms: {'beats' if ms < anchor else 'misses'}")
             rows.append((f"flash-cce {r['method']}", where, got, "; ".join(vs) or "-"))
     return rows
 
