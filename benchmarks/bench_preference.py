@@ -249,19 +249,21 @@ def _run_one(a, method, prompt):
 
 def _summary(ratio, res, pairs_per_batch):
     lines = []
-    base = res["orpo stock"]
+    base = res.get("orpo stock")
     for m in ("orpo flash-cce", "orpo mlx-lm-lora"):
-        if m in res and m != "orpo stock":
+        if m in res and base is not None:
             w, c, p = (res[m][k] / base[k] for k in range(3))
             lines.append(
                 f"{ratio}:1 {m} / orpo stock: {c:.2f}x CPU time, {w:.2f}x wall, {p:.2f}x peak memory"
             )
-    if "orpo mlx-lm-lora" in res:
+    if "orpo mlx-lm-lora" in res and "orpo flash-cce" in res:
         o, f = res["orpo mlx-lm-lora"], res["orpo flash-cce"]
         lines.append(
             f"{ratio}:1 orpo flash-cce / mlx-lm-lora: {f[1] / o[1]:.2f}x CPU time, "
             f"{f[0] / o[0]:.2f}x wall, {f[2] / o[2]:.2f}x peak memory"
         )
+    if "dpo flash-cce" not in res:
+        return lines
     d = res["dpo flash-cce"]
     rw, rc = d[3]
     lines.append(
@@ -287,7 +289,7 @@ def _table(a, ratios, have_lora):
     for ratio in ratios:
         prompt = ratio * a.response
         res = {}
-        for method in METHODS:
+        for method in a.methods:
             if "mlx-lm-lora" in method and not have_lora:
                 continue
             r = _run_one(a, method, prompt)
@@ -323,6 +325,9 @@ def main():
     p.add_argument("--layers", type=int, default=16, help="layers with LoRA")
     p.add_argument("--repeats", type=int, default=2, help="timed steps after the compiling one")
     p.add_argument(
+        "--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS)
+    )
+    p.add_argument(
         "--_one", nargs=3, metavar=("METHOD", "PROMPT", "RESPONSE"), help=argparse.SUPPRESS
     )
     a = p.parse_args()
@@ -332,6 +337,9 @@ def main():
         ratios = [int(r) for r in a.ratios.split(",")]
     except ValueError:
         p.error(f"--ratios must be integers separated by commas, got {a.ratios!r}")
+    a.methods = [m.strip() for m in a.methods.split(",")]
+    if any(m not in METHODS for m in a.methods):
+        p.error(f"--methods: each of {', '.join(METHODS)}, got {a.methods}")
     if a._one:
         method, prompt, response = a._one[0], int(a._one[1]), int(a._one[2])
         r = one_method(method, a.model, a.dtype, a.pairs, prompt, response, a.layers, a.repeats)
