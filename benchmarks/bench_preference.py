@@ -21,10 +21,10 @@ another's):
   off) is timed on its own, per batch of pairs.
 
 At prompt:response token ratios 1:1 and 4:1 (``--response`` tokens per
-response). Time is wall time and the process's CPU time (on a shared
-machine, CPU time is what the work costs; wall time includes waiting for
-other jobs); both are the minimum over ``--repeats`` steps after a compiling
-one. Peak memory is ``mx.get_peak_memory()`` during the step minus the
+response). Time is wall time, the minimum over ``--repeats`` steps after a
+compiling one (on a shared machine the minimum is the step least slowed by
+other jobs), with the process's CPU time beside it (all threads; it counts
+OpenBLAS threads spinning between calls, so it is no cleaner a measure). Peak memory is ``mx.get_peak_memory()`` during the step minus the
 memory held before it (weights, optimizer state, batch). Ratios are against
 ``orpo stock`` (and mlx-lm-lora where it ran) from the same run.
 
@@ -164,7 +164,8 @@ def _timed(fn):
 
 
 def _reference_pass(model, rows, repeats):
-    """``[(wall, cpu)]`` of the shipped DPO reference pass over one batch, after a compiling one."""
+    """``[(wall, cpu)]`` of the shipped DPO reference pass over one training batch's pairs
+    (its own batches are twice that: one call here), after a compiling one."""
     from mlx_lm_flash_cce import preference
 
     token_logps = preference.make_token_logps(model, check=False)
@@ -174,7 +175,7 @@ def _reference_pass(model, rows, repeats):
             p.ref = None
         with preference.adapters_off(model):
             wall, cpu, _, _ = _timed(
-                lambda: preference.fill_reference(model, token_logps, rows, len(rows))
+                lambda: preference.fill_reference(model, token_logps, rows, 2 * len(rows))
             )
         out.append((wall, cpu))
     return out[1:]
@@ -254,28 +255,28 @@ def _summary(ratio, res, pairs_per_batch):
         if m in res and base is not None:
             w, c, p = (res[m][k] / base[k] for k in range(3))
             lines.append(
-                f"{ratio}:1 {m} / orpo stock: {c:.2f}x CPU time, {w:.2f}x wall, {p:.2f}x peak memory"
+                f"{ratio}:1 {m} / orpo stock: {w:.2f}x wall, {c:.2f}x CPU time, {p:.2f}x peak memory"
             )
     if "orpo mlx-lm-lora" in res and "orpo flash-cce" in res:
         o, f = res["orpo mlx-lm-lora"], res["orpo flash-cce"]
         lines.append(
-            f"{ratio}:1 orpo flash-cce / mlx-lm-lora: {f[1] / o[1]:.2f}x CPU time, "
-            f"{f[0] / o[0]:.2f}x wall, {f[2] / o[2]:.2f}x peak memory"
+            f"{ratio}:1 orpo flash-cce / mlx-lm-lora: {f[0] / o[0]:.2f}x wall, "
+            f"{f[1] / o[1]:.2f}x CPU time, {f[2] / o[2]:.2f}x peak memory"
         )
     if "dpo flash-cce" not in res:
         return lines
     d = res["dpo flash-cce"]
     rw, rc = d[3]
     lines.append(
-        f"{ratio}:1 dpo flash-cce reference pass: {rc / pairs_per_batch:.3f} CPU s per pair, "
-        f"{rc / d[1]:.2f}x a training step per batch (CPU time; wall {rw / d[0]:.2f}x)"
+        f"{ratio}:1 dpo flash-cce reference pass: {rw / pairs_per_batch:.3f} s per pair, "
+        f"{rw / d[0]:.2f}x a training step per batch (wall; CPU time {rc / d[1]:.2f}x)"
     )
     if "dpo mlx-lm-lora" in res:
         o = res["dpo mlx-lm-lora"]
         lines.append(
             f"{ratio}:1 dpo flash-cce step / mlx-lm-lora step (its reference in every step): "
-            f"{d[1] / o[1]:.2f}x CPU time, {d[0] / o[0]:.2f}x wall, {d[2] / o[2]:.2f}x peak memory; "
-            f"with the reference pass added per batch: {(d[1] + rc) / o[1]:.2f}x CPU time"
+            f"{d[0] / o[0]:.2f}x wall, {d[1] / o[1]:.2f}x CPU time, {d[2] / o[2]:.2f}x peak "
+            f"memory; with the reference pass added per batch: {(d[0] + rw) / o[0]:.2f}x wall"
         )
     return lines
 
@@ -323,7 +324,7 @@ def main():
     p.add_argument("--response", type=int, default=48, help="tokens per response")
     p.add_argument("--ratios", default="1,4", help="prompt:response ratios, e.g. 1,4")
     p.add_argument("--layers", type=int, default=16, help="layers with LoRA")
-    p.add_argument("--repeats", type=int, default=2, help="timed steps after the compiling one")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps after the compiling one")
     p.add_argument(
         "--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS)
     )

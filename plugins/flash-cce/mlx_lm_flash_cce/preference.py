@@ -9,7 +9,7 @@ SimPO, CPO) and their formulas are in ``objectives``.
 
 The reference log-probs of DPO, IPO and hinge are computed once, before the
 first step, for every pair of the splits the run reads (``sets``): in
-batches of pairs of similar length, without gradients, from the model with
+batches of twice ``--batch-size`` pairs of similar length, without gradients, from the model with
 its LoRA/DoRA adapters switched off (a full fine-tune: the weights as
 training starts), or from another checkpoint (``--reference-model``); they
 ride in each batch.
@@ -245,7 +245,9 @@ def make_loss(
     options = {k: v for k, v in options.items() if k != "verbose"}
     token_logps = make_token_logps(model, check=check, share_prompt=share_prompt, **options)
     if name in objectives.REFERENCE:
-        reference(model, token_logps, sets, batch_size, reference_model)
+        # Forward only, nothing kept per layer but the prompt's keys: twice the
+        # training batch holds less than one training step does, in fewer calls.
+        reference(model, token_logps, sets, 2 * batch_size, reference_model)
 
     def loss(model, prompts, prompt_lens, responses, response_lens, refs):
         tok = token_logps(model, prompts, prompt_lens, responses)
