@@ -32,7 +32,9 @@ RESULTS = "benchmarks/results"
 READMES = ("README.md", "benchmarks/README.md", "plugins/*/README.md", "docs/*.md")
 STAMP = re.compile(r"^(?:Run|Recorded) at commit ([0-9a-f]{7,40}(?:\+dirty)?)\b")
 BLOCK = re.compile(r"^```json figures\n(.*?)^```$", re.S | re.M)
-MARKER = re.compile(r"(<!-- figures: ([\w. -]+?) -->\n)(.*?)(<!-- /figures -->)", re.S)
+# A marker starts its line (one quoted in running text is not a marker).
+MARKER = re.compile(r"^(<!-- figures: ([\w. -]+?) -->\n)(.*?)^(<!-- /figures -->)", re.S | re.M)
+OPEN = re.compile(r"^<!-- figures: ", re.M)
 
 
 class FiguresError(Exception):
@@ -106,7 +108,7 @@ def update(text: str, readme: Path, figures: dict, root: Path = ROOT) -> str:
                 raise FiguresError(f"{rel}: no results file has figures {name!r}")
         return m[1] + render([figures[n] for n in names], readme, root) + m[4]
 
-    if text.count("<!-- figures: ") != len(MARKER.findall(text)):
+    if len(OPEN.findall(text)) != len(MARKER.findall(text)):
         raise FiguresError(f"{readme.relative_to(root).as_posix()}: a figures marker is not closed")
     return MARKER.sub(one, text)
 
@@ -118,15 +120,16 @@ def readmes(root: Path = ROOT) -> list:
 def stale(root: Path = ROOT, write: bool = False) -> list:
     """READMEs whose tables differ from the results (rewritten when ``write``)."""
     figures = read_figures(root)
-    out = []
-    for path in readmes(root):
+    changed = {}
+    for path in readmes(root):  # every README is checked before one is written
         text = path.read_text(encoding="utf-8")
         new = update(text, path, figures, root)
         if new != text:
-            out.append(path.relative_to(root).as_posix())
-            if write:
-                path.write_text(new, encoding="utf-8")
-    return out
+            changed[path] = new
+    if write:
+        for path, new in changed.items():
+            path.write_text(new, encoding="utf-8")
+    return [path.relative_to(root).as_posix() for path in changed]
 
 
 def unstamped(root: Path = ROOT) -> list:

@@ -116,3 +116,15 @@ def test_a_summary_joins_blocks_and_names_each_file(tmp_path):
     (root / "benchmarks" / "results" / "z-cpu.md").write_text(other.replace('"time"', '"speed"'))
     with pytest.raises(tables.FiguresError, match="the columns differ"):
         tables.stale(root)
+
+
+def test_a_quoted_marker_is_text_and_nothing_is_written_on_an_error(tmp_path):
+    quoted = README + "\nWrite `<!-- figures: NAME -->` before a table.\n"
+    root = _tree(tmp_path, readme=quoted)
+    assert tables.stale(root, write=True) == ["plugins/p/README.md"]
+    assert "`<!-- figures: NAME -->`" in (root / "plugins" / "p" / "README.md").read_text()
+    (root / "README.md").write_text(README)  # stale, and sorted before the broken one
+    (root / "plugins" / "p" / "README.md").write_text(README.replace("x-cpu", "y-cpu"))
+    with pytest.raises(tables.FiguresError):
+        tables.stale(root, write=True)
+    assert (root / "README.md").read_text() == README
