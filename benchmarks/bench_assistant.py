@@ -42,7 +42,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from bench_spec_decode import passage, stdlib_function  # the same grounded prompts
-from common import add_target_args, load_assistant, load_target, target_name
+from common import add_target_args, load_assistant, load_target, print_header, target_name
 from mlx_lm import load, stream_generate
 
 import mlx_lm_ext
@@ -283,6 +283,7 @@ def main():
     )
     add_target_args(p)
     args = p.parse_args()
+    print_header()
     if args.standin and args.model:
         p.error("give --model or --standin, not both")
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_spec_decode import passage, stdlib_function  # noqa: E402
-from common import add_target_args, target_name, target_path  # noqa: E402
+from common import add_target_args, print_header, target_name, target_path  # noqa: E402
 
 SERVE = (
     "import sys, mlx.core as mx; mx.set_default_device(getattr(mx, sys.argv.pop(1))); "
@@ -208,6 +208,7 @@ def main():
     )
     add_target_args(ap)
     args = ap.parse_args()
+    print_header()
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
         assert levels and min(levels) >= 1

@@ -50,7 +50,7 @@ import numpy as np
 from bench_batch_spec import OPEN, grounded
 from bench_spec_decode import prompts as single_prompts
 from bench_suffix import NEAR_WORDINGS, agent_requests, chat
-from common import add_target_args, load_target, target_name
+from common import add_target_args, load_target, print_header, target_name
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -215,6 +215,7 @@ def main():
     args = p.parse_args()
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    print_header()
     model, tok = load_target(args, args.dtype)
     levels = [int(c) for c in args.concurrency.split(",")]
     batches = sorted(set(levels))

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 
+import common
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -332,6 +333,7 @@ def main():
         "--_one", nargs=3, metavar=("METHOD", "PROMPT", "RESPONSE"), help=argparse.SUPPRESS
     )
     a = p.parse_args()
+    common.print_header()
     if a.pairs < 1 or a.response < 1 or a.layers < 1 or a.repeats < 1:
         p.error("--pairs, --response, --layers and --repeats must be positive")
     try:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import add_target_args, load_target, target_name
+from common import add_target_args, load_target, print_header, target_name
 from mlx_lm import load, stream_generate
 
 import mlx_lm_ext
@@ -184,6 +184,7 @@ def main():
     p.add_argument("--show-text", action="store_true", help="print stock's output per prompt")
     add_target_args(p, dtype=True)
     args = p.parse_args()
+    print_header()
     global SHOW_TEXT
     SHOW_TEXT = args.show_text
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+import common
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import stream_generate
@@ -87,6 +88,7 @@ def main():
         p.error(f"--widths: comma-separated positive integers, got {args.widths!r}")
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    common.print_header()
 
     from mlx_lm import load
 

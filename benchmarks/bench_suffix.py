@@ -45,7 +45,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from bench_spec_decode import prompts as single_prompts
-from common import add_target_args, load_target, target_name
+from common import add_target_args, load_target, print_header, target_name
 from mlx_lm import stream_generate
 
 import mlx_lm_ext
@@ -264,6 +264,7 @@ def main():
 
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    print_header()
     mlx_lm_ext.enable("spec-decode")
     model, tok = load_target(args, args.dtype)
     costs, plain = verify_costs(model)

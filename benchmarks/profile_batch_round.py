@@ -36,7 +36,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_batch_spec import grounded  # noqa: E402
-from common import add_target_args, load_target, target_name  # noqa: E402
+from common import add_target_args, load_target, print_header, target_name  # noqa: E402
 
 from mlx_lm_spec_decode import NGramDrafter  # noqa: E402
 from mlx_lm_spec_decode import batch as batch_mod  # noqa: E402
@@ -189,6 +189,7 @@ def main():
     except (ValueError, AssertionError):
         ap.error(f"--concurrency: comma-separated positive integers, got {args.concurrency!r}")
     mx.set_default_device(getattr(mx, args.device))
+    print_header()
     model, tok = load_target(args, args.dtype)
     print(
         f"# {target_name(args, args.dtype)} on {args.device}, {args.max_tokens} tokens, "

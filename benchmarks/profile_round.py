@@ -31,7 +31,7 @@ import statistics
 import time
 
 import mlx.core as mx
-from common import add_target_args, load_assistant, load_target
+from common import add_target_args, load_assistant, load_target, print_header
 from mlx_lm import load, stream_generate
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -170,6 +170,7 @@ def main():
     )
     add_target_args(ap)
     args = ap.parse_args()
+    print_header()
 
     import bench_assistant
 
