@@ -10,6 +10,7 @@ trained on it) predict the stand-in unrealistically well: see the README.
 """
 
 import argparse
+import os
 
 from mlx_lm_ext import models, standin
 
@@ -128,7 +129,13 @@ def _git(*args: str) -> str:
 
 
 def commit() -> str:
-    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files differ from it."""
+    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files differ from it.
+
+    A copy of the tree without its git folder (a GPU machine) takes
+    ``BENCH_COMMIT`` from the environment, as the copy's sender names it.
+    """
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     head = _git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     return head + ("+dirty" if dirty else "")

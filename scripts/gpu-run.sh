@@ -9,6 +9,8 @@
 #   WHEELS_DIR  the staged folder (default of gpu-stage.sh: .device-wheels)
 #   OUT         folder for the logs and JSON (required)
 #   MLX_LM_EXT_CACHE  where the offline model folders are built (optional)
+#   BENCH_COMMIT      the commit the copied tree is at, for the run header
+#                     when the copy has no git folder (git rev-parse --short HEAD)
 set -uo pipefail
 usage="usage: OUT=DIR bash scripts/gpu-run.sh WHEELS_DIR [bench_gpu.py flags]"
 [ -n "${1:-}" ] && [ -d "$1" ] || { echo "WHEELS_DIR: not a folder. $usage" >&2; exit 2; }
