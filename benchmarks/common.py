@@ -157,7 +157,6 @@ def _cpu_name() -> str:
 def machine() -> dict:
     """The machine a run measured: OS, CPU, core count, load, GPU, MLX's device."""
     import importlib.metadata as md
-    import os
     import platform
 
     import mlx.core as mx
