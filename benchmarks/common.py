@@ -189,7 +189,7 @@ def command(argv=None) -> str:
     from pathlib import Path
 
     argv = list(sys.argv if argv is None else argv)
-    if argv:
+    if argv and Path(argv[0]).is_file():
         try:
             argv[0] = str(Path(argv[0]).resolve().relative_to(Path(__file__).resolve().parents[1]))
         except ValueError:
