@@ -254,7 +254,7 @@ def _gpu_rows(a, rows, quantized, n, v, h, frozen):
         (
             "pure-mlx",
             lambda x: linear_cross_entropy(
-                x, head, targets, impl="flash", backend="mlx", train=frozen
+                x, head, targets, impl="flash", backend="mlx-blocks", train=frozen
             ),
             None,
         ),
@@ -265,7 +265,7 @@ def _gpu_rows(a, rows, quantized, n, v, h, frozen):
                 head,
                 targets,
                 impl="flash",
-                backend="mlx",
+                backend="mlx-blocks",
                 train=frozen,
                 token_chunk=8192,
                 chunk_elements=1 << 26,
@@ -372,13 +372,13 @@ def run_gpu_table(a, rows):
 
 # (label, backend, tokens x vocab blocks, limit MiB, elementwise)
 AUTO_PATHS = [
-    ("mlx 8192x32768 +1024", "mlx", (8192, 32768), 1024, "mlx"),
-    ("mlx 8192x16384 +1024", "mlx", (8192, 16384), 1024, "mlx"),
-    ("mlx f32-step 8192x16384 +1024", "mlx", (8192, 16384), 1024, "mlx-f32"),
-    ("mlx 8192x8192 +512", "mlx", (8192, 8192), 512, "mlx"),
-    ("mlx 4096x8192 +256", "mlx", (4096, 8192), 256, "mlx"),
-    ("mlx 2048x8192 +128", "mlx", (2048, 8192), 128, "mlx"),
-    ("mlx 4096x16384 +128", "mlx", (4096, 16384), 128, "mlx"),
+    ("mlx 8192x32768 +1024", "mlx-blocks", (8192, 32768), 1024, None),
+    ("mlx 8192x16384 +1024", "mlx-blocks", (8192, 16384), 1024, None),
+    ("mlx f32-step 8192x16384 +1024", "mlx-blocks", (8192, 16384), 1024, "mlx-f32"),
+    ("mlx 8192x8192 +512", "mlx-blocks", (8192, 8192), 512, None),
+    ("mlx 4096x8192 +256", "mlx-blocks", (4096, 8192), 256, None),
+    ("mlx 2048x8192 +128", "mlx-blocks", (2048, 8192), 128, None),
+    ("mlx 4096x16384 +128", "mlx-blocks", (4096, 16384), 128, None),
     ("cuda-gemm 8192x32768 +1024", "cuda-gemm", (8192, 32768), 1024, None),
     ("cuda-gemm 8192x16384 +1024", "cuda-gemm", (8192, 16384), 1024, None),
     ("cuda-gemm 2048x8192 +128", "cuda-gemm", (2048, 8192), 128, None),
