@@ -246,11 +246,17 @@ def add_arguments(
 
 
 def flags(name: str, command: str) -> Dict[str, str]:
-    """``{dest: "--flag"}`` of plugin ``name``'s flags for ``command`` (its long names)."""
+    """``{dest: "--flag"}`` of plugin ``name``'s flags for ``command`` (its long names).
+
+    The first long name, as argparse derives ``dest``: for a negatable switch
+    (``--x`` / ``--no-x``) the positive one, so ``--x on`` reads as it is.
+    """
     parser = argparse.ArgumentParser(add_help=False)
     group = add_arguments(name, command, parser)
     return {
-        a.dest: max(a.option_strings, key=len) for a in group._group_actions if a.option_strings
+        a.dest: next((s for s in a.option_strings if s.startswith("--")), a.option_strings[0])
+        for a in group._group_actions
+        if a.option_strings
     }
 
 
