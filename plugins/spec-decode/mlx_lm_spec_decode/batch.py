@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
-from . import batch_tree
+from . import batch_tree, sampling
 from . import stats as stats_mod
 from . import target as target_mod
 from . import tree as tree_mod
@@ -102,9 +102,7 @@ class Row:
         start, drafts = self.guess
         self.guess = None
         seen = history[start : start + len(drafts)]
-        a = 0
-        while a < len(seen) and seen[a] == drafts[a]:
-            a += 1
+        a = sampling.kept(drafts, seen)
         if seen:
             self.observe(len(drafts) if a < len(seen) else a, a)
 

@@ -162,8 +162,7 @@ def verify(
         toks, par = windows[i][:n], parents[i][:n]
         # Processors see the row's tokens through each node: its context
         # holds what the cache holds, the pending token (the root) follows.
-        ctx = (contexts[i].tolist() if contexts[i] is not None else []) + toks[:1]
-        lp = tree_verify.tree_logprobs(logits[i, :n], processors[i], ctx, toks, par)
+        lp = sampling.window_logprobs(logits[i, :n], processors[i], contexts[i], toks, par)
         lps.append(lp)
         if rule.kind == "explicit":
             draws.append(tree_verify.sampled_draws(lp, toks, par, rule.temp, rule.filt))

@@ -47,27 +47,6 @@ class RowRule:
             self.checked = True
 
 
-def row_logprobs(
-    logits: mx.array, processors: Sequence[Any], context: Optional[mx.array], window: List[int]
-) -> mx.array:
-    """``[n, V]`` log-probabilities of one row's first ``n`` window positions;
-    position p's processors see the row's tokens through ``window[p]``, as a
-    plain step that had fed ``window[p]`` would."""
-    if not processors:
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    win = mx.array(window, mx.int32)
-    base = context if context is not None else mx.zeros((0,), mx.int32)
-    rows = []
-    for p in range(logits.shape[0]):
-        toks = mx.concatenate([base.astype(mx.int32), win[: p + 1]])
-        row = logits[p : p + 1]
-        for proc in processors:
-            row = proc(toks, row)
-        rows.append(row)
-    out = mx.concatenate(rows, axis=0)
-    return out - mx.logsumexp(out, axis=-1, keepdims=True)
-
-
 def verify(
     logits: mx.array,
     windows: List[List[int]],
@@ -92,7 +71,9 @@ def verify(
         if plain:
             lp = lp_all[i, : k + 1]
         else:
-            lp = row_logprobs(logits[i, : k + 1], processors[i], contexts[i], windows[i][: k + 1])
+            lp = sampling.window_logprobs(
+                logits[i, : k + 1], processors[i], contexts[i], windows[i][: k + 1]
+            )
         lps.append(lp)
         rule = rules[i]
         d = mx.array(drafts[i], mx.uint32)
@@ -113,9 +94,7 @@ def verify(
             targets.append(res[a] if a < len(d) else bonus[0])
         else:
             t = pending[i][0].tolist()
-            a = 0
-            while a < len(d) and t[a] == d[a]:
-                a += 1
+            a = sampling.kept(d, t)
             targets.append(t[a])
         accepted.append(a)
     return lps, accepted, targets
@@ -127,9 +106,7 @@ def _greedy(lp: mx.array, drafts: List[List[int]]) -> Tuple[List[mx.array], List
     mx.eval(lp, best)
     accepted, targets = [], []
     for d, t in zip(drafts, best.tolist(), strict=True):
-        a = 0
-        while a < len(d) and t[a] == d[a]:
-            a += 1
+        a = sampling.kept(d, t)
         accepted.append(a)
         targets.append(t[a])
     return [lp[i, : len(d) + 1] for i, d in enumerate(drafts)], accepted, targets

@@ -388,7 +388,7 @@ class VerifyLoop:
         window = mx.concatenate([mx.array([self.y], mx.uint32), drafts.astype(mx.uint32)])
         logits, hidden = self.forward(window)
         self.quantize()
-        lp = _logprobs(logits, self.logits_processors, self.context, drafts)
+        lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), window)
         if self.kind == "explicit":
             keep, res, bonus = sampling.verify_explicit(lp, drafts, q, self.temp, self.filt)
             mx.eval(keep, res, bonus, drafts)
@@ -404,10 +404,7 @@ class VerifyLoop:
         # The logprobs rows stay lazy: only a consumer that reads them pays.
         mx.eval(t, drafts)
         t = t.tolist()
-        d = drafts.tolist()
-        a = 0
-        while a < k and t[a] == d[a]:
-            a += 1
+        a = sampling.kept(drafts.tolist(), t)
         return lp, hidden, a, t[a]
 
     def _fall_back(self, room):
@@ -489,8 +486,13 @@ class VerifyLoop:
         x = tok.astype(mx.uint32) if isinstance(tok, mx.array) else mx.array([tok], mx.uint32)
         logits, hidden = self.forward(x)
         self.quantize()
-        lp = _logprobs(logits, self.logits_processors, self.context, None)[0]
+        lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), x)[0]
         return self.sampler(lp[None]).reshape(-1), lp, hidden
+
+    def _before(self) -> Optional[list[int]]:
+        """The tokens before the pending one, for logits processors (the
+        context ends with the pending token, the window's first)."""
+        return self.context[:-1] if self.context is not None else None
 
     # ----------------------------------------------------- the target
 
@@ -512,25 +514,6 @@ class VerifyLoop:
             # The caller's list must see the quantized caches (mlx-lm's own
             # loop quantizes a slice copy, and the server stores stale ones).
             self.prompt_cache[: self.n_t] = self.target_cache
-
-
-def _logprobs(logits, logits_processors, context, drafts):
-    if not logits_processors:
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    rows = []
-    ctx_arr = mx.array(context, mx.uint32)
-    for i in range(logits.shape[0]):
-        toks = (
-            mx.concatenate([ctx_arr, drafts[:i].astype(mx.uint32)])
-            if i and drafts is not None
-            else ctx_arr
-        )
-        row = logits[i : i + 1]
-        for proc in logits_processors:
-            row = proc(toks, row)
-        rows.append(row)
-    logits = mx.concatenate(rows, axis=0)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _match(lp, sampler, checked):

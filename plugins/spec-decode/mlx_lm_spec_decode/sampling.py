@@ -24,7 +24,7 @@ lossless is refused by ``check_sampler``: a sampler that does not return one
 token id for a one-row input.
 """
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
@@ -132,3 +132,51 @@ def verify_match(logprobs: mx.array, sampler: Sampler) -> mx.array:
     return mx.concatenate(
         [sampler(logprobs[i : i + 1]).reshape(1) for i in range(logprobs.shape[0])]
     )
+
+
+def window_logprobs(
+    logits: mx.array,
+    processors: Optional[Sequence[Any]],
+    context: Union[None, List[int], mx.array],
+    tokens: Union[List[int], mx.array],
+    parents: Optional[List[int]] = None,
+) -> mx.array:
+    """``[n, V]`` log-probabilities of a verify window's ``n`` positions
+    (``tokens[0]``: the pending token), the one function the serial loop,
+    the batch and both tree forms use. Position i's logits processors see
+    ``context`` (the tokens before the window) and then the window's tokens
+    from the first through i along ``parents`` (None: a chain, each node's
+    parent the one before it), as a plain step that had fed token i would."""
+    if not processors:
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    base = context if isinstance(context, mx.array) else mx.array(list(context or []), mx.uint32)
+    base = base.astype(mx.uint32)
+    win = tokens if isinstance(tokens, mx.array) else mx.array(tokens, mx.uint32)
+    win = win.astype(mx.uint32)
+    rows = []
+    for i in range(logits.shape[0]):
+        if parents is None:
+            seen = win[: i + 1]
+        else:
+            path, j = [], i
+            while j >= 0:
+                path.append(j)
+                j = parents[j]
+            seen = mx.array([tokens[j] for j in reversed(path)], mx.uint32)
+        toks = mx.concatenate([base, seen])
+        row = logits[i : i + 1]
+        for proc in processors:
+            row = proc(toks, row)
+        rows.append(row)
+    out = mx.concatenate(rows, axis=0)
+    return out - mx.logsumexp(out, axis=-1, keepdims=True)
+
+
+def kept(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """How many drafts a greedy or sample-and-match round keeps: the length
+    of their common prefix with the target's tokens (``targets`` may be
+    shorter: what was emitted so far, for drafts no round verified)."""
+    a, n = 0, min(len(drafts), len(targets))
+    while a < n and drafts[a] == targets[a]:
+        a += 1
+    return a

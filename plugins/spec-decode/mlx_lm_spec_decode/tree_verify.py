@@ -92,26 +92,6 @@ def accept_sampled(
             return path, res_tok[node]
 
 
-def tree_logprobs(
-    logits: mx.array,
-    processors: Optional[list],
-    context: Optional[list[int]],
-    tokens: list[int],
-    parents: list[int],
-) -> mx.array:
-    """Log-softmax rows; logits processors see each node's own path."""
-    if processors:
-        rows = []
-        for i in range(len(tokens)):
-            seen = context + [tokens[j] for j in tree_mod.path_to(parents, i)[1:]]
-            row = logits[i : i + 1]
-            for proc in processors:
-                row = proc(mx.array(seen, mx.uint32), row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
 # ------------------------------------------------------------- the cache
 
 
@@ -204,7 +184,9 @@ class TreeRounds:
         loop.st.tree_rounds += 1
         start = loop.target_cache[0].offset
         logits = tree_mod.forward(loop.model, loop.target_cache, tokens, parents, loop.attention)
-        lp = tree_logprobs(logits, loop.logits_processors, loop.context, tokens, parents)
+        # The loop's context ends with its pending token, the tree's root.
+        before = loop.context[:-1] if loop.context is not None else None
+        lp = sampling.window_logprobs(logits, loop.logits_processors, before, tokens, parents)
         if loop.kind == "explicit":
             draws = sampled_draws(lp, tokens, parents, loop.temp, loop.filt)
             mx.eval(*draws)

@@ -171,3 +171,34 @@ def test_chi2_detects_a_biased_sampler(tiny_llama):
     biased = Counter({d1: N})
     stat, df = chi2(biased, p1, N)
     assert stat > chi2_critical(df)
+
+
+def test_one_logprobs_function_for_chains_and_trees():
+    """A chain is a tree whose parents are i - 1: both forms give the rows a
+    plain step would (its processors seeing the context and the window up to
+    that position), and a branch sees its own path only."""
+    from mlx_lm_spec_decode.sampling import kept, window_logprobs
+
+    mx.random.seed(3)
+    logits = mx.random.normal((4, 32))
+    procs = make_logits_processors(repetition_penalty=1.7)
+    ctx, win = [4, 5], [7, 3, 9, 5]
+
+    def step(seen, i):
+        row = logits[i : i + 1]
+        for p in procs:
+            row = p(mx.array(seen, mx.uint32), row)
+        return (row - mx.logsumexp(row, axis=-1, keepdims=True))[0]
+
+    chain = window_logprobs(logits, procs, ctx, win)
+    tree = window_logprobs(logits, procs, mx.array(ctx), win, [-1, 0, 1, 2])
+    branch = window_logprobs(logits, procs, ctx, win, [-1, 0, 0, 2])  # node 3 under node 2
+    for i in range(4):
+        assert mx.allclose(chain[i], step(ctx + win[: i + 1], i)).item()
+        assert mx.allclose(tree[i], chain[i]).item()
+    assert mx.allclose(branch[2], step(ctx + [7, 9], 2)).item()
+    assert mx.allclose(branch[3], step(ctx + [7, 9, 5], 3)).item()
+    assert not mx.allclose(branch[2], chain[2]).item()  # 3 is not on node 2's path
+    plain = window_logprobs(logits, None, ctx, win)
+    assert mx.allclose(plain, logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item()
+    assert [kept([1, 2, 3], t) for t in ([1, 2, 3, 4], [1, 9, 3, 4], [1, 2])] == [3, 1, 2]
