@@ -188,17 +188,19 @@ def reference(
     sets: Sequence[Any],
     batch_size: int,
     reference_model: Optional[nn.Module] = None,
+    **options: Any,
 ) -> int:
     """Fill ``pair.ref`` for every pair of ``sets`` that has none; returns how many.
 
-    From ``reference_model`` when given, else from ``model`` with its adapters off.
+    From ``reference_model`` when given (its log-probs by the same ``options``),
+    else from ``model`` with its adapters off.
     """
     todo = _by_length(sets)
     if not todo:
         return 0
     tic = time.perf_counter()
     if reference_model is not None:
-        ref_logps = make_token_logps(reference_model)
+        ref_logps = make_token_logps(reference_model, **options)
         fill_reference(reference_model, ref_logps, todo, batch_size)
         what = "the reference model"
     else:
@@ -247,7 +249,7 @@ def make_loss(
     if name in objectives.REFERENCE:
         # Forward only, nothing kept per layer but the prompt's keys: twice the
         # training batch holds less than one training step does, in fewer calls.
-        reference(model, token_logps, sets, 2 * batch_size, reference_model)
+        reference(model, token_logps, sets, 2 * batch_size, reference_model, **options)
 
     def loss(model, prompts, prompt_lens, responses, response_lens, refs):
         tok = token_logps(model, prompts, prompt_lens, responses)
