@@ -33,7 +33,13 @@ def add_parser(subparsers: argparse._SubParsersAction, default_dir: str) -> None
         ("clear", cmd_clear, "remove stored prompt caches (asks first; tagged cache dirs only)"),
     ):
         q = actions.add_parser(name, help=text, description=text)
-        q.add_argument("--dir", default=default_dir, help="cache directory (default: %(default)s)")
+        q.add_argument(
+            "--dir",
+            "--ssd-cache-dir",  # the server's name for it, copied from its command line
+            dest="dir",
+            default=default_dir,
+            help="cache directory (default: %(default)s)",
+        )
         if name == "clear":
             _clear_flags(q)
         q.set_defaults(func=func)

@@ -289,3 +289,15 @@ os.write(fd, b"half an entry")
 print("writing", flush=True)
 sys.stdin.read()
 """
+
+
+def test_the_servers_flag_names_the_directory_too(tmp_path, world):
+    root, victim, own = world
+    # an operator copies --ssd-cache-dir from the server's command line
+    r = run("stats", "--ssd-cache-dir", str(root))
+    assert r.returncode == 0, r.stderr
+    assert "2 entries" in r.stdout
+    before = snapshot(tmp_path)
+    r = run("clear", "--ssd-cache-dir", str(root), "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert f"{FP}/base" in r.stdout and snapshot(tmp_path) == before
