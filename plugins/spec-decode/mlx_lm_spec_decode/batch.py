@@ -305,9 +305,11 @@ class SpecGenerationBatch(GenerationBatch):
             pending = read_back(self._next_tokens)
             t0 = time.perf_counter()
             self.last_plain_b = 0  # the next plain step does not overlap this one's forward
+            # Drafted again after the pending tokens: where the proposals'
+            # length bounded γ, they now reach one token further.
+            gamma += gamma == max(len(d) for d in drafts) - 1
             drafts, trees = self._propose(pending, use_trees)
-            gamma = self._decide(B, drafts, False)  # on the drafts the round would verify
-            if gamma == 0:
+            if not any(drafts):
                 return self._plain()
         return self._round(pending, [d[:gamma] for d in drafts], trees, t0)
 

@@ -127,6 +127,28 @@ def test_rounds_built_before_the_pending_tokens_are_read_match_stock(llama, monk
     assert 0 < len(reads) <= sum(s.draft_rounds for s in rows)
 
 
+def test_a_chosen_round_runs_where_rows_draft_again_after_the_pending_tokens(llama, monkeypatch):
+    """Token trees are built on the pending token, so a round chosen behind
+    a plain step reads it and drafts again: the round the controller chose
+    runs (it is not asked twice), and outputs stay stock's."""
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    calls = []
+
+    def choose(self, B, proposed, *a):
+        calls.append(1)
+        return 2 if len(calls) % 2 else 0  # yes, then no, then yes ...
+
+    monkeypatch.setattr(BatchController, "choose", choose)
+    model, tok = llama
+    prompts = prompts_of(tok)
+    stock = drive(BatchGenerator(model), prompts, [30, 30, 30])
+    gen = SpecBatchGenerator(model, NGramDrafter(n_min=1), 4, 10)
+    rows = closed_stats(gen)
+    assert_same(stock, drive(gen, prompts, [30, 30, 30]))
+    assert sum(s.draft_rounds for s in rows) > 0
+
+
 def test_declined_rounds_decode_as_stock(llama, monkeypatch):
     """Where the controller declines every round, the rows draft from the
     tokens already emitted without waiting for the pending ones (mlx-lm's
