@@ -24,9 +24,11 @@ its values are summed here.
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import sys
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
@@ -113,11 +115,40 @@ def _make_loader(loss, args):
                 sets = plugins.first("load_dataset", name=loss, args=run_args, tokenizer=tokenizer)
             except PluginError as e:  # a bad row: its file and line, exit 2
                 plugins.fail(str(e))
-            return original(run_args, tokenizer) if sets is None else sets
+            if sets is not None:
+                return sets
+            try:
+                return original(run_args, tokenizer)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                # mlx-lm's reader names neither the file nor the line
+                plugins.fail(_bad_line(getattr(run_args, "data", None)) or f"--data: {e}")
 
         return load_dataset
 
     return make
+
+
+def _bad_line(data: Any) -> Optional[str]:
+    """``"train.jsonl line 4, column 10: ..."`` for the first line of the local
+    dataset folder ``data`` that mlx-lm's reader cannot take, else None."""
+    if not data or not Path(data).is_dir():
+        return None
+    for name in ("train", "valid", "test"):  # the order mlx-lm reads them in
+        path = Path(data) / f"{name}.jsonl"
+        if not path.is_file():
+            continue
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    col = len(raw[: e.start].decode("utf-8", "replace")) + 1
+                    return f"{path.name} line {n}, column {col}: not UTF-8 text (byte 0x{raw[e.start]:02x})"
+                try:
+                    json.loads(text)
+                except json.JSONDecodeError as e:
+                    return f"{path.name} line {n}, column {e.colno}: not valid JSON ({e.msg})"
+    return None
 
 
 # ---------------------------------------------------------------- metrics
