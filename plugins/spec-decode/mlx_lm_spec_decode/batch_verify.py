@@ -20,7 +20,16 @@ after ``RETRY`` decisions that chose it and ``RETRY_STEPS`` plain steps, so
 that the round's timings stay current). The prediction is checked against
 what rounds did: where a batch size's recent rounds emitted fewer tokens
 per second, call to call, than its plain steps, γ is 0 there whatever the
-model predicts.
+model predicts, and each retry there that loses again doubles the wait
+before the next (capped at ``2**BACKOFF`` times), so a batch size where
+drafting does not pay settles to plain steps.
+
+A plain step's cost is its clean one: the median of the steps timed far
+from any round (``CLEAN`` plain steps after one, or before the first)
+where that is lower than the recent steps'. On a GPU a round evicts the
+step's executable graphs and the steps after it run slow for a while;
+timed as plain steps, they would make plain decoding look slow and the
+rounds that slowed them look cheap.
 """
 
 from collections import deque
@@ -142,6 +151,8 @@ class BatchController:
     TREE_SLACK = 0.05  # a tree round may cost this much of a plain step beyond a chain's
     TREE_RETRY = 32  # chain rounds between tree rounds once trees were found dear
     AFTER = 4  # plain steps after a round whose excess over a plain step is the round's
+    CLEAN = 16  # plain steps after a round before they time a clean plain step
+    BACKOFF = 5  # retries that lost in a row, each doubling the wait, before it stops growing
 
     def __init__(self, gamma: int, gmax: int, adaptive: bool = True, auto_off: bool = True):
         self.gmax = max(1, gmax)
@@ -156,6 +167,9 @@ class BatchController:
         self.yielded: Dict[int, deque] = {}  # B -> (tokens a round emitted, its seconds)
         self.last_round: Optional[int] = None  # batch size of the last round recorded
         self.charged = [False, False]  # its entries: a chain's timing, a yield
+        self.clean: Dict[int, deque] = {}  # B -> plain steps timed far from any round
+        self.lost: Dict[int, int] = {}  # B -> retries in a row that lost
+        self.retried: Dict[int, bool] = {}  # B -> its last round was a retry
 
     def needs_plain(self, B: int) -> bool:
         """Whether plain steps at this batch size must be timed before deciding."""
@@ -174,12 +188,15 @@ class BatchController:
         step: where a round slows the steps after it (on a GPU, MLX's
         executable graphs of a ``[B, 1]`` step evicted by the round's
         ``[B, W]`` and rebuilt), their excess over a plain step is the
-        round's cost, charged to the round just recorded."""
-        if since_round is not None and since_round <= self.AFTER and self.last_round == B:
-            p = self.plain_cost(B)
-            if p is not None:
-                self._charge(B, max(0.0, seconds - p))
-                return
+        round's cost, charged to the round just recorded. Only steps more
+        than ``CLEAN`` after one (or before any) time a clean plain step."""
+        near = since_round is not None and self.last_round == B
+        p = self.plain_cost(B)
+        if near and since_round <= self.AFTER and p is not None:
+            self._charge(B, max(0.0, seconds - p))
+            return
+        if B not in self.rounds or (since_round or 0) > self.CLEAN:
+            self.clean.setdefault(B, deque(maxlen=self.SAMPLES)).append(seconds)
         q = self.plain.setdefault(B, deque(maxlen=self.SAMPLES))
         if self.rounds.get(B, 0) >= self.REPROBE:
             self.rounds[B] = 0
@@ -189,7 +206,13 @@ class BatchController:
     def plain_cost(self, B: int) -> Optional[float]:
         """Seconds of a plain step at this batch size (or the nearest measured)."""
         near = self._near(self.plain, B, 1)
-        return median(self.plain[near]) if near is not None else None
+        return self._plain_at(near) if near is not None else None
+
+    def _plain_at(self, B: int) -> float:
+        """A plain step at a measured batch size: its recent steps' median, or
+        its clean steps' where lower (rounds only ever slow the steps near them)."""
+        p = median(self.plain[B])
+        return min(p, median(self.clean[B])) if self.clean.get(B) else p
 
     def _charge(self, B: int, seconds: float) -> None:
         """Add ``seconds`` to the last round recorded at ``B`` (its timing and its yield)."""
@@ -229,7 +252,7 @@ class BatchController:
         if near is None:
             return True
         bp = self._near(self.plain, near, 1)
-        if bp is None or median(self.tree_cost[near]) <= self.TREE_SLACK * median(self.plain[bp]):
+        if bp is None or median(self.tree_cost[near]) <= self.TREE_SLACK * self._plain_at(bp):
             return True
         return self.since_tree.get(B, 0) >= self.TREE_RETRY
 
@@ -253,8 +276,8 @@ class BatchController:
         bp, bv = self._near(self.plain, B, 1), self._near(self.verify, B, self.EXPLORE)
         if bp is None or bv is None:
             return None
-        p = median(self.plain[bp])
-        pv = median(self.plain[self._near(self.plain, bv, 1)])
+        p = self._plain_at(bp)
+        pv = self._plain_at(self._near(self.plain, bv, 1))
         widths: Dict[int, List[float]] = {}
         for w, t in self.verify[bv]:
             widths.setdefault(w - 1, []).append(t)
@@ -288,7 +311,7 @@ class BatchController:
             bp = self._near(self.plain, near, 1)
             if bp is None:
                 return False
-            plain_rate = near / median(self.plain[bp])
+            plain_rate = near / self._plain_at(bp)
         done = self.yielded[near]
         return sum(n for n, _ in done) / sum(t for _, t in done) < plain_rate
 
@@ -314,13 +337,20 @@ class BatchController:
             rate = tokens / (p + extra + b * g)
             if rate > best_rate:
                 best, best_rate = g, rate
-        if best and not self.losing(B, plain_rate):
-            self.gamma, self.declined = best, 0
+        losing = bool(best) and self.losing(B, plain_rate)
+        if best and not losing:
+            self.gamma, self.declined, self.lost[B] = best, 0, 0
             return best
+        if self.retried.pop(B, False):
+            # The retry did not win: wait twice as long before the next.
+            self.lost[B] = min(self.lost.get(B, 0) + 1, self.BACKOFF)
         self.declined += 1
-        if self.declined < self.RETRY or (idle is not None and idle < self.RETRY_STEPS):
+        wait = 1 << self.lost.get(B, 0)
+        if self.declined < self.RETRY * wait or (
+            idle is not None and idle < self.RETRY_STEPS * wait
+        ):
             return 0
         # Only rounds renew a round's timings: without one now and then, rounds
         # timed while the machine was busy would keep γ at 0 for good.
-        self.declined = 0
+        self.declined, self.retried[B] = 0, True
         return min(self.gamma, top)

@@ -297,13 +297,18 @@ def test_controller_picks_the_faster_option_and_borrows_a_neighbours_costs():
     assert ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) > 0
     assert ctl.choose(4, [3, 3, 3, 3], [0.3] * 4) == 0
     assert ctl.choose(4, [3, 0, 0, 0], [0.9] * 4) == 0  # one row's drafts cannot pay for four
-    # Every RETRY declines in a row, one round anyway (at the last γ) to renew the timings.
-    picks = [ctl.choose(4, [3, 3, 3, 3], [0.3] * 4) for _ in range(3 * BatchController.RETRY)]
-    assert sorted(set(picks)) == [0, ctl.gamma] and picks.count(ctl.gamma) == 3
-    # A caller that counts plain steps since the last round: not before RETRY_STEPS.
-    picks = [ctl.choose(4, [3] * 4, [0.3] * 4, idle=10) for _ in range(3 * BatchController.RETRY)]
+    # After RETRY declines in a row (two came above), one round anyway (at the
+    # last γ) to renew the timings; each retry that did not win doubles the wait.
+    R = BatchController.RETRY
+    picks = [ctl.choose(4, [3, 3, 3, 3], [0.3] * 4) for _ in range(3 * R)]
+    assert sorted(set(picks)) == [0, ctl.gamma]
+    assert [i for i, g in enumerate(picks) if g] == [R - 3, R - 3 + 2 * R]
+    # A caller that counts plain steps since the last round: not before
+    # RETRY_STEPS, times four after two retries that lost.
+    picks = [ctl.choose(4, [3] * 4, [0.3] * 4, idle=10) for _ in range(4 * R)]
     assert set(picks) == {0}
-    assert ctl.choose(4, [3] * 4, [0.3] * 4, idle=BatchController.RETRY_STEPS) == ctl.gamma
+    assert ctl.choose(4, [3] * 4, [0.3] * 4, idle=2 * BatchController.RETRY_STEPS) == 0
+    assert ctl.choose(4, [3] * 4, [0.3] * 4, idle=4 * BatchController.RETRY_STEPS) == ctl.gamma
     # A batch size seen for the first time decides at once from its neighbour's
     # costs (a column scaled up for more rows), then times its own plain steps.
     assert not ctl.needs_plain(6)
@@ -357,10 +362,11 @@ def test_controller_stops_drafting_where_rounds_emitted_less_than_plain_steps():
     # 10 tokens in 0.15 s (67/s): drafting stays on.
     assert timed(10).choose(4, [3, 3, 3, 3], [0.9] * 4) == 3
     # 5 tokens in 0.15 s (33/s, the rows' estimates were too high): plain
-    # steps, apart from one round every RETRY decisions.
+    # steps, apart from a retry round after RETRY decisions, then twice as many.
     ctl = timed(5)
-    picks = [ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) for _ in range(2 * BatchController.RETRY)]
-    assert picks.count(0) == 2 * BatchController.RETRY - 2
+    R = BatchController.RETRY
+    picks = [ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) for _ in range(3 * R)]
+    assert [i for i, g in enumerate(picks) if g] == [R - 1, 3 * R - 1]
     # A row joins: five rows, no rounds of their own, take four's record;
     # three rows do not (fewer rows may still win), so the cost model decides.
     assert ctl.choose(5, [3] * 5, [0.9] * 5) == 0
@@ -426,3 +432,72 @@ def test_unverified_drafts_still_teach_the_rows_acceptance():
         assert r.guess is None
     assert right.alpha > 0.5 > wrong.alpha  # 3 of 3 kept; a miss at once
     assert early.alpha > 0.5  # only one token emitted since: kept, no miss seen
+
+
+def simulate_batch(steps, round_s, round_tokens, slow_steps, slow_s, plain_s=0.010, B=8):
+    """Drive a ``BatchController`` with synthetic timings, as the generation
+    batch does (plain steps in the runs it asks for, a decision between
+    them, the first plain step after a round untimed): plain steps take
+    ``plain_s``, but ``slow_s`` for the ``slow_steps`` after a round (a GPU
+    rebuilding the step's graphs the round evicted); a round takes
+    ``round_s`` and emits ``round_tokens``. Returns the share of calls that
+    were rounds after the first fifth of the run, and tokens/s over a plain
+    step's."""
+    from mlx_lm_spec_decode.batch import COST_RUN
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    ctl = BatchController(3, 8)
+    kinds, seconds, tokens = [], 0.0, 0
+    plain_left, idle, timed, rounds_run = 0, 0, False, False
+    while len(kinds) < steps:
+        g = 0
+        if plain_left == 0 and ctl.needs_plain(B):
+            plain_left = BatchController.PROBE
+        elif plain_left == 0:
+            g = ctl.choose(B, [4] * B, [0.6] * B, idle)
+            if g == 0:
+                plain_left = min(COST_RUN, 1 << min(max(ctl.declined - 1, 0), 3))
+        if g:
+            ctl.verify_round(B, g + 1, round_s, tokens=round_tokens)
+            kinds.append(1)
+            seconds, tokens, idle, timed, rounds_run = (
+                seconds + round_s,
+                tokens + round_tokens,
+                0,
+                False,
+                True,
+            )
+            continue
+        plain_left = max(0, plain_left - 1)
+        idle += 1
+        s = slow_s if rounds_run and idle <= slow_steps else plain_s
+        if timed:
+            ctl.plain_step(B, s, idle)
+        kinds.append(0)
+        seconds, tokens, timed = seconds + s, tokens + B, True
+    tail = kinds[steps // 5 :]
+    return sum(tail) / len(tail), tokens / seconds / (B / plain_s)
+
+
+def test_controller_settles_to_plain_steps_where_rounds_lose():
+    """Rounds that emit fewer tokens per second than clean plain steps, and
+    slow the dozen steps after them (so that those, timed as plain steps,
+    would make plain decoding look as slow as the rounds): the batch size
+    settles to plain steps, retries backing off, within 3% of plain decoding.
+    Rounds that pay keep running under the same slowdown."""
+    # 16 tokens in 25 ms (640/s) against 8 in 10 ms (800/s); 12 steps at 20 ms after each.
+    share, speed = simulate_batch(3000, 0.025, 16, 12, 0.020)
+    assert share < 0.005 and speed > 0.97, (share, speed)
+    # The same without the slowdown: rounds still lose.
+    share, speed = simulate_batch(3000, 0.025, 16, 0, 0.010)
+    assert share < 0.005 and speed > 0.97, (share, speed)
+    # Slowed for the 4 steps charged to a round: retries that lose every 120
+    # steps would cost 3.5%; backing off, they cost under 1%.
+    share, speed = simulate_batch(3000, 0.025, 16, 4, 0.020)
+    assert share < 0.005 and speed > 0.985, (share, speed)
+    # 32 tokens in 20 ms (1600/s): drafting keeps paying, slowdown and all;
+    # 16 in 15 ms (1067/s) too, rounds running back to back.
+    share, speed = simulate_batch(3000, 0.020, 32, 12, 0.020)
+    assert share > 0.5 and speed > 1.5, (share, speed)
+    share, speed = simulate_batch(3000, 0.015, 16, 12, 0.020)
+    assert share > 0.5 and speed > 1.15, (share, speed)
