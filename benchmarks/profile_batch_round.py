@@ -4,8 +4,9 @@
     python benchmarks/profile_batch_round.py --device gpu --dtype bfloat16 --standin 10B
 
 In process, no server: for each concurrency C, C grounded prompts (the
-answer copies its input) decode with mlx-lm's ``BatchGenerator`` (stock)
-and with ``SpecBatchGenerator`` (the n-gram drafter, as ``mlx_lm.server
+answer copies its input; ``--kinds open``: chat prompts; ``grounded,open``
+both) decode with mlx-lm's ``BatchGenerator`` (stock) and with
+``SpecBatchGenerator`` (the n-gram drafter, as ``mlx_lm.server
 --plugin spec-decode`` runs it), one after the other on the same model.
 Printed per C:
 
@@ -35,7 +36,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_batch_spec import grounded  # noqa: E402
+from bench_batch_spec import OPEN, grounded  # noqa: E402
 from common import add_target_args, load_target, print_header, target_name  # noqa: E402
 
 from mlx_lm_spec_decode import NGramDrafter  # noqa: E402
@@ -139,10 +140,11 @@ def sync_forward(model, prompt, B, W, repeats):
     return statistics.median(times[2:])
 
 
-def run(model, tok, C, max_tokens, tree):
+def run(model, tok, C, max_tokens, tree, kind="grounded"):
+    pool = grounded() if kind == "grounded" else OPEN
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-        for p in grounded()[:C]
+        for p in pool[:C]
     ]
     decode(BatchGenerator(model), prompts, 8)  # warm up
     stock, stock_calls = decode(BatchGenerator(model), prompts, max_tokens)
@@ -157,7 +159,7 @@ def run(model, tok, C, max_tokens, tree):
     n = sum(len(t) for t in stock)
     s_tps = n / sum(stock_calls)
     o_tps = sum(len(t) for t in ours) / sum(our_calls)
-    print(f"\n## C={C}: stock {s_tps:.1f} tok/s, ours {o_tps:.1f} tok/s, {o_tps / s_tps:.2f}x, "
+    print(f"\n## {kind} C={C}: stock {s_tps:.1f} tok/s, ours {o_tps:.1f} tok/s, {o_tps / s_tps:.2f}x, "
           f"same={'yes' if ours == stock else 'no'}")  # fmt: skip
     by = {"stock plain step": stock_calls}
     for kind, t in rec.kinds:
@@ -181,6 +183,7 @@ def main():
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--draft-tree", choices=["auto", "off"], default="auto")
+    ap.add_argument("--kinds", default="grounded", help="grounded and/or open prompts")
     add_target_args(ap)
     args = ap.parse_args()
     try:
@@ -188,6 +191,9 @@ def main():
         assert levels and min(levels) >= 1
     except (ValueError, AssertionError):
         ap.error(f"--concurrency: comma-separated positive integers, got {args.concurrency!r}")
+    kinds = args.kinds.split(",")
+    if not kinds or not set(kinds) <= {"grounded", "open"}:
+        ap.error(f"--kinds: grounded and/or open, got {args.kinds!r}")
     mx.set_default_device(getattr(mx, args.device))
     print_header()
     model, tok = load_target(args, args.dtype)
@@ -195,8 +201,9 @@ def main():
         f"# {target_name(args, args.dtype)} on {args.device}, {args.max_tokens} tokens, "
         f"--draft-tree {args.draft_tree}"
     )
-    for C in levels:
-        run(model, tok, C, args.max_tokens, args.draft_tree != "off")
+    for kind in kinds:
+        for C in levels:
+            run(model, tok, C, args.max_tokens, args.draft_tree != "off", kind)
 
 
 if __name__ == "__main__":
