@@ -17,16 +17,26 @@ another's):
 - ``dpo mlx-lm-lora``: its ``dpo_loss`` with a reference model (a second
   copy of the weights) run inside every step, as its ``train_dpo`` does;
 - ``dpo flash-cce``: ``--loss dpo`` as shipped: the step reads precomputed
-  reference log-probs; the reference pass (forward only, compiled, adapters
-  off) is timed on its own, per batch of pairs.
+  reference log-probs. In the same process, interleaved with its steps, the
+  reference pass as shipped (``preference.fill_reference`` from scratch over
+  one training batch's pairs: forward only, compiled, adapters off) and the
+  bare forward of the same batch (the same log-probs: shared prompt, no
+  logits, compiled once, nothing around it). The bare forward against the
+  step is the floor of this design; the pass against the bare forward is
+  what the pass adds. These rows run at each ``--dpo-layers`` value (LoRA on
+  the top 16 layers, mlx-lm's default, and on all): the step's backward runs
+  through the adapted layers only, the forward through all of them.
 
 At prompt:response token ratios 1:1 and 4:1 (``--response`` tokens per
-response). Time is wall time, the minimum over ``--repeats`` steps after a
-compiling one (on a shared machine the minimum is the step least slowed by
-other jobs), with the process's CPU time beside it (all threads; it counts
-OpenBLAS threads spinning between calls, so it is no cleaner a measure). Peak memory is ``mx.get_peak_memory()`` during the step minus the
-memory held before it (weights, optimizer state, batch). Ratios are against
-``orpo stock`` (and mlx-lm-lora where it ran) from the same run.
+response). Times are the median over ``--repeats`` rounds after a compiling
+one, wall and the process's CPU time (all threads; it counts OpenBLAS
+threads spinning between calls). On a shared machine CPU time is the one
+that compares across processes; within one process, where the three of DPO
+share each round's load, both do. Peak memory is ``mx.get_peak_memory()``
+during the step minus the memory held before it (weights, optimizer state,
+batch). Ratios are against ``orpo stock`` (and mlx-lm-lora where it ran)
+from the same run. ``--figures NAME`` prints the DPO ratios as a README
+figures block.
 
     env LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/bench_preference.py
@@ -39,6 +49,7 @@ import copy
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -164,44 +175,44 @@ def _timed(fn):
     return wall, cpu, mx.get_peak_memory() - base, out
 
 
-def _reference_pass(model, rows, repeats):
-    """``[(wall, cpu)]`` of the shipped DPO reference pass over one training batch's pairs
-    (its own batches are twice that: one call here), after a compiling one."""
+def _reference_pass(model, rows):
+    """The shipped DPO reference pass over one training batch's pairs (its own batches
+    are twice that: one call here), from scratch as a run starts it: it compiles anew."""
     from mlx_lm_flash_cce import preference
 
     token_logps = preference.make_token_logps(model, check=False)
-    out = []
-    for _ in range(repeats + 1):
+
+    def run():
         for p in rows:
             p.ref = None
         with preference.adapters_off(model):
-            wall, cpu, _, _ = _timed(
-                lambda: preference.fill_reference(model, token_logps, rows, 2 * len(rows))
-            )
-        out.append((wall, cpu))
-    return out[1:]
+            preference.fill_reference(model, token_logps, rows, 2 * len(rows))
+
+    return run
 
 
-def one_method(method, model_name, dtype, n_pairs, prompt, response, layers, repeats):
-    """In a fresh process: the compiled step's time and peak memory (and DPO's reference pass)."""
+def _bare_forward(model, batch):
+    """The floor of the reference pass: the same log-probs of the same batch (shared
+    prompt, no logits, adapters off), compiled once, nothing around it."""
+    from mlx_lm_flash_cce import preference
+
+    token_logps = preference.make_token_logps(model, check=False)
+    forward = mx.compile(lambda *b: preference.sequence_logps(token_logps(model, *b[:3]), b[3]))
+
+    def run():
+        model.eval()
+        with preference.adapters_off(model):
+            mx.eval(forward(*batch[:4]))
+        model.train()
+
+    return run
+
+
+def _compiled_step(model, loss):
     from functools import partial
 
     import mlx.optimizers as optim
-    from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    model, ids = _load(model_name, dtype)
-    vocab = model(mx.zeros((1, 1), mx.int32)).shape[-1]
-    rows = _pairs(ids, vocab, n_pairs, prompt, response)
-    model.freeze()
-    loss, batch = _loss(method, model, rows)  # mlx-lm-lora's reference: the base weights
-    mx.random.seed(0)
-    linear_to_lora_layers(model, layers, {"rank": 8, "scale": 20.0, "dropout": 0.0})
-    result = {"method": method}
-    if method == "dpo flash-cce":
-        result["reference"] = _reference_pass(model, rows, repeats)
-        from mlx_lm_flash_cce import pairs
-
-        batch = pairs.collate(rows)  # with the reference log-probs
     opt = optim.Adam(learning_rate=1e-5)
     lvg = nn.value_and_grad(model, loss)
     state = [model.state, opt.state, mx.random.state, getattr(loss, "state", [])]
@@ -212,14 +223,47 @@ def one_method(method, model_name, dtype, n_pairs, prompt, response, layers, rep
         opt.update(model, grad)
         return value, toks
 
-    def run():
+    def run(batch):
+        model.train()
         value, toks = step(*batch)
         mx.eval(state, value, toks)
         return value.item()
 
-    model.train()
+    return run
+
+
+def one_method(method, model_name, dtype, n_pairs, prompt, response, layers, repeats):
+    """In a fresh process: the compiled step's time and peak memory; for ``dpo flash-cce``
+    the reference pass as shipped and the bare forward too, interleaved with the steps
+    (each round: pass, forward, step), so that the machine's load falls on all three."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, ids = _load(model_name, dtype)
+    vocab = model(mx.zeros((1, 1), mx.int32)).shape[-1]
+    rows = _pairs(ids, vocab, n_pairs, prompt, response)
+    model.freeze()
+    loss, batch = _loss(method, model, rows)  # mlx-lm-lora's reference: the base weights
+    mx.random.seed(0)
+    linear_to_lora_layers(model, layers, {"rank": 8, "scale": 20.0, "dropout": 0.0})
+    result = {"method": method, "steps": [], "reference": [], "forward": []}
+    extra = []
+    if method == "dpo flash-cce":
+        from mlx_lm_flash_cce import pairs
+
+        reference = _reference_pass(model, rows)
+        reference()
+        batch = pairs.collate(rows)  # with the reference log-probs
+        extra = [("reference", reference), ("forward", _bare_forward(model, batch))]
+    step = _compiled_step(model, loss)
     mx.eval(batch)
-    result["steps"] = [_timed(run) for _ in range(repeats + 1)][1:]  # the first compiles
+    for i in range(repeats + 1):  # the first round compiles
+        for key, fn in extra:
+            wall, cpu, _, _ = _timed(fn)
+            if i:
+                result[key].append((wall, cpu))
+        timed = _timed(lambda: step(batch))
+        if i:
+            result["steps"].append(timed)
     return result
 
 
@@ -238,10 +282,10 @@ def _have_mlx_lm_lora():
     return f"mlx-lm-lora {version('mlx-lm-lora')}"
 
 
-def _run_one(a, method, prompt):
+def _run_one(a, method, prompt, layers):
     cmd = [sys.executable, __file__, "--_one", method, str(prompt), str(a.response)]
     cmd += ["--model", a.model, "--dtype", a.dtype, "--pairs", str(a.pairs)]
-    cmd += ["--layers", str(a.layers), "--repeats", str(a.repeats)]
+    cmd += ["--layers", str(layers), "--repeats", str(a.repeats)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         print(proc.stderr[-2000:])
@@ -249,7 +293,15 @@ def _run_one(a, method, prompt):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _summary(ratio, res, pairs_per_batch):
+def _median(runs, k):
+    return statistics.median(x[k] for x in runs)
+
+
+def _layers_name(layers):
+    return "all" if layers < 0 else str(layers)
+
+
+def _summary(ratio, res):
     lines = []
     base = res.get("orpo stock")
     for m in ("orpo flash-cce", "orpo mlx-lm-lora"):
@@ -264,55 +316,106 @@ def _summary(ratio, res, pairs_per_batch):
             f"{ratio}:1 orpo flash-cce / mlx-lm-lora: {f[0] / o[0]:.2f}x wall, "
             f"{f[1] / o[1]:.2f}x CPU time, {f[2] / o[2]:.2f}x peak memory"
         )
-    if "dpo flash-cce" not in res:
-        return lines
-    d = res["dpo flash-cce"]
-    rw, rc = d[3]
-    lines.append(
-        f"{ratio}:1 dpo flash-cce reference pass: {rw / pairs_per_batch:.3f} s per pair, "
-        f"{rw / d[0]:.2f}x a training step per batch (wall; CPU time {rc / d[1]:.2f}x)"
-    )
-    if "dpo mlx-lm-lora" in res:
-        o = res["dpo mlx-lm-lora"]
+    for key, d in res.items():
+        if not key.startswith("dpo flash-cce"):
+            continue
+        (rw, rc), (fw, fc) = d[3], d[4]
+        lines.append(
+            f"{ratio}:1 {key}: reference pass {rc / d[1]:.2f}x a training step per batch "
+            f"(CPU time; wall {rw / d[0]:.2f}x); bare forward (the floor) {fc / d[1]:.2f}x "
+            f"(wall {fw / d[0]:.2f}x); reference pass / bare forward {rc / fc:.2f}x "
+            f"(wall {rw / fw:.2f}x)"
+        )
+    d, o = res.get("dpo flash-cce, LoRA 16"), res.get("dpo mlx-lm-lora")
+    if d is not None and o is not None:
         lines.append(
             f"{ratio}:1 dpo flash-cce step / mlx-lm-lora step (its reference in every step): "
             f"{d[0] / o[0]:.2f}x wall, {d[1] / o[1]:.2f}x CPU time, {d[2] / o[2]:.2f}x peak "
-            f"memory; with the reference pass added per batch: {(d[0] + rw) / o[0]:.2f}x wall"
+            f"memory; with the reference pass added per batch: {(d[1] + d[3][1]) / o[1]:.2f}x "
+            "CPU time"
         )
     return lines
 
 
+def _figure_rows(ratio, prompt, response, res):
+    rows = []
+    for key, d in res.items():
+        if key.startswith("dpo flash-cce"):
+            (_, rc), (_, fc) = d[3], d[4]
+            rows.append(
+                [
+                    f"{ratio}:1 ({prompt}:{response})",
+                    key.split("LoRA ")[1],
+                    f"{rc / d[1]:.2f}x",
+                    f"{fc / d[1]:.2f}x",
+                    f"{rc / fc:.2f}x",
+                ]
+            )
+    return rows
+
+
+FIGURE_COLUMNS = (
+    "prompt:response",
+    "LoRA layers",
+    "reference pass / step",
+    "bare forward / step (the floor)",
+    "reference pass / bare forward",
+)
+
+
+def _runs(a, have_lora):
+    """``(method, label, layers)`` in the order the table runs them."""
+    for method in a.methods:
+        if "mlx-lm-lora" in method and not have_lora:
+            continue
+        if method == "dpo flash-cce":
+            for layers in a.dpo_layers:
+                yield method, f"{method}, LoRA {_layers_name(layers)}", layers
+        else:
+            yield method, method, a.layers
+
+
 def _table(a, ratios, have_lora):
     print(
-        f"{'p:r':>5} | {'method':>16} | {'step s':>7} | {'cpu s':>7} | {'peak MiB':>9} | "
-        f"{'ref s/batch':>11} | {'loss':>8}"
+        f"{'p:r':>5} | {'method':>24} | {'step s':>7} | {'cpu s':>7} | {'peak MiB':>9} | "
+        f"{'ref s':>13} | {'forward s':>13} | {'loss':>8}"
     )
-    summary = []
+    summary, figures = [], []
     for ratio in ratios:
         prompt = ratio * a.response
         res = {}
-        for method in a.methods:
-            if "mlx-lm-lora" in method and not have_lora:
-                continue
-            r = _run_one(a, method, prompt)
+        for method, label, layers in _runs(a, have_lora):
+            r = _run_one(a, method, prompt, layers)
             steps = r["steps"]
-            w, c = min(s[0] for s in steps), min(s[1] for s in steps)
+            w, c = _median(steps, 0), _median(steps, 1)
             peak = max(s[2] for s in steps)
-            ref = ""
-            res[method] = [w, c, peak]
-            if "reference" in r:
-                rw, rc = (min(x[k] for x in r["reference"]) for k in (0, 1))
-                res[method].append((rw, rc))
-                ref = f"{rw:.3f}/{rc:.3f}c"
+            res[label] = [w, c, peak]
+            cells = []
+            for key in ("reference", "forward"):
+                if r[key]:
+                    rw, rc = _median(r[key], 0), _median(r[key], 1)
+                    res[label].append((rw, rc))
+                    cells.append(f"{rw:.3f}/{rc:.3f}c")
+                else:
+                    cells.append("")
             print(
-                f"{f'{ratio}:1':>5} | {method:>16} | {w:7.3f} | {c:7.3f} | {_mib(peak):>9} | "
-                f"{ref:>11} | {steps[0][3]:8.4f}",
+                f"{f'{ratio}:1':>5} | {label:>24} | {w:7.3f} | {c:7.3f} | {_mib(peak):>9} | "
+                f"{cells[0]:>13} | {cells[1]:>13} | {steps[0][3]:8.4f}",
                 flush=True,
             )
-        summary += _summary(ratio, res, a.pairs)
+        summary += _summary(ratio, res)
+        figures += _figure_rows(ratio, prompt, a.response, res)
     print("\nratios (same run):")
     for line in summary:
         print("  " + line)
+    if a.figures and figures:
+        print()
+        print(common.figures_block(a.figures, FIGURE_COLUMNS, figures, note=FIGURE_NOTE))
+
+
+FIGURE_NOTE = (
+    "CPU time, medians, each ratio within one process (pass, forward and step interleaved)"
+)
 
 
 def main():
@@ -324,8 +427,18 @@ def main():
     p.add_argument("--pairs", type=int, default=4, help="pairs per batch")
     p.add_argument("--response", type=int, default=48, help="tokens per response")
     p.add_argument("--ratios", default="1,4", help="prompt:response ratios, e.g. 1,4")
-    p.add_argument("--layers", type=int, default=16, help="layers with LoRA")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps after the compiling one")
+    p.add_argument(
+        "--layers", type=int, default=16, help="layers with LoRA (mlx-lm's --num-layers)"
+    )
+    p.add_argument(
+        "--dpo-layers",
+        default="16,-1",
+        help="comma-separated --num-layers values the dpo flash-cce rows run at (-1: all)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed rounds after the compiling one (median)"
+    )
+    p.add_argument("--figures", default=None, help="name of a README figures block to print")
     p.add_argument(
         "--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS)
     )
@@ -334,12 +447,17 @@ def main():
     )
     a = p.parse_args()
     common.print_header()
-    if a.pairs < 1 or a.response < 1 or a.layers < 1 or a.repeats < 1:
-        p.error("--pairs, --response, --layers and --repeats must be positive")
+    if a.pairs < 1 or a.response < 1 or a.repeats < 1:
+        p.error("--pairs, --response and --repeats must be positive")
+    if a.layers == 0 or a.layers < -1:
+        p.error(f"--layers: a positive count or -1 (all), got {a.layers}")
     try:
         ratios = [int(r) for r in a.ratios.split(",")]
+        a.dpo_layers = [int(n) for n in a.dpo_layers.split(",")]
     except ValueError:
-        p.error(f"--ratios must be integers separated by commas, got {a.ratios!r}")
+        p.error("--ratios and --dpo-layers must be integers separated by commas")
+    if any(n == 0 or n < -1 for n in a.dpo_layers):
+        p.error(f"--dpo-layers: positive counts or -1 (all), got {a.dpo_layers}")
     a.methods = [m.strip() for m in a.methods.split(",")]
     if any(m not in METHODS for m in a.methods):
         p.error(f"--methods: each of {', '.join(METHODS)}, got {a.methods}")
@@ -351,10 +469,13 @@ def main():
         return
     lora = _have_mlx_lm_lora()
     print(
-        f"preference step (LoRA on {a.layers} layers, Adam, compiled): {a.model} {a.dtype}, "
+        f"preference step (LoRA on {_layers_name(a.layers)} layers, dpo flash-cce at "
+        f"{', '.join(map(_layers_name, a.dpo_layers))}; Adam, compiled): {a.model} {a.dtype}, "
         f"{a.pairs} pairs per batch, {a.response} tokens per response, device "
-        f"{mx.default_device()}; {lora}; fresh process per method, min of {a.repeats} steps "
-        "after a compiling one; ref s/batch: the DPO reference pass, wall/CPU"
+        f"{mx.default_device()}; {lora}; fresh process per method, median of {a.repeats} "
+        "rounds after a compiling one; ref s: the DPO reference pass as shipped per batch, "
+        "forward s: the bare forward of the same batch (its floor), wall/CPU, interleaved "
+        "with the steps of the same process"
     )
     _table(a, ratios, not lora.startswith("mlx-lm-lora not"))
 

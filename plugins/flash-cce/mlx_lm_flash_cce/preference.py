@@ -9,7 +9,8 @@ SimPO, CPO) and their formulas are in ``objectives``.
 
 The reference log-probs of DPO, IPO and hinge are computed once, before the
 first step, for every pair of the splits the run reads (``sets``): in
-batches of twice ``--batch-size`` pairs of similar length, without gradients, from the model with
+batches of twice ``--batch-size`` pairs of similar length, forward only
+(eager: a compiled forward would retrace for each batch's shape), from the model with
 its LoRA/DoRA adapters switched off (a full fine-tune: the weights as
 training starts), or from another checkpoint (``--reference-model``); they
 ride in each batch.
@@ -163,9 +164,9 @@ def fill_reference(
     was_training = model.training
     model.eval()
 
-    # Compiled, with the weights as constants: they do not change during the
-    # pass, and the forward's elementwise work fuses (a retrace per shape).
-    @mx.compile
+    # Not compiled: the batches' shapes follow their lengths, so a compiled
+    # forward retraces for nearly every batch, and once traced it runs no
+    # faster than this on the CPU (benchmarks/bench_preference.py).
     def forward(prompts, plens, responses, rlens):
         return sequence_logps(token_logps(model, prompts, plens, responses), rlens)
 
