@@ -52,7 +52,7 @@ from . import batch_tree, sampling
 from . import stats as stats_mod
 from . import target as target_mod
 from . import tree as tree_mod
-from .batch_verify import BatchController, RowRule, verify
+from .batch_verify import BatchController, verify
 from .drafter import DraftContext
 from .ragged import keep_paths, ragged, rollback
 
@@ -74,7 +74,7 @@ class Row:
     """One request's drafting state in the batch."""
 
     def __init__(self, model: Any, drafter: Any, sampler: Any, st: stats_mod.SpecStats):
-        self.rule = RowRule(sampler)
+        self.rule = sampling.Rule(sampler)
         self.ctx = DraftContext(
             model, None, drafter.make_cache(), temp=self.rule.temp or 0.0, filter=self.rule.filt
         )
@@ -383,9 +383,7 @@ class SpecGenerationBatch(GenerationBatch):
             first = self._next_tokens.reshape(B, 1).astype(mx.uint32)
             inputs = mx.concatenate([first, inputs[:, 1:]], axis=1)
         branching = [not tree_mod.is_chain(p[:n]) for p, n in zip(parents, sizes, strict=True)]
-        lps, paths, targets, rejected = self._check(
-            inputs, windows, parents, sizes, drafts, branching
-        )
+        lps, paths, targets, rejected = self._check(inputs, windows, parents, sizes, branching)
         if ahead:
             pending = read_back(self._next_tokens)  # evaluated with the round
             for w, tok in zip(windows, pending, strict=True):
@@ -453,7 +451,6 @@ class SpecGenerationBatch(GenerationBatch):
         windows: List[List[int]],
         parents: List[List[int]],
         sizes: List[int],
-        drafts: List[List[int]],
         branching: List[bool],
     ) -> Tuple[List[mx.array], List[List[int]], List[int], List[bool]]:
         """The verify forward and each row's acceptance: log-probs, the
@@ -464,6 +461,10 @@ class SpecGenerationBatch(GenerationBatch):
             self._token_context[i].tokens if self.logits_processors[i] else None for i in range(B)
         ]
         rules = [r.rule for r in self.rows]
+        # The rows' windows without their padding (the pending token first).
+        wins = [
+            sampling.Window(w[:n], p[:n]) for w, p, n in zip(windows, parents, sizes, strict=True)
+        ]
         # On a CUDA GPU in half precision the window's attention runs as
         # matmuls: the fused op there builds a cuDNN graph per cache length.
         policy = target_mod.attention_policy()
@@ -471,17 +472,10 @@ class SpecGenerationBatch(GenerationBatch):
         if any(branching):
             # Trees are built on known pending tokens: the windows are the inputs.
             logits = batch_tree.forward(self.model, self.prompt_cache, windows, parents, policy)
-            return batch_tree.verify(
-                logits, windows, parents, sizes, rules, self.logits_processors, contexts
-            )
-        with target_mod.verify_attention(self.model, W, policy):
-            logits = self.model(inputs, cache=self.prompt_cache)
-        lps, accepted, targets = verify(
-            logits, windows, drafts, rules, self.logits_processors, contexts
-        )
-        paths = [list(range(a + 1)) for a in accepted]
-        rejected = [a < len(d) for a, d in zip(accepted, drafts, strict=True)]
-        return lps, paths, targets, rejected
+        else:
+            with target_mod.verify_attention(self.model, W, policy):
+                logits = self.model(inputs, cache=self.prompt_cache)
+        return verify(logits, wins, rules, self.logits_processors, contexts)
 
     def _cut(
         self, windows: List[List[int]], paths: List[List[int]]

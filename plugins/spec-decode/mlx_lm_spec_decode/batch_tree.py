@@ -18,9 +18,9 @@ duration, as ``tree.attention`` does for one request:
 - attention: node j of row b sees the cache and its own ancestors (the
   batch's mask, itself ragged, and an ancestor mask over the window).
 
-Acceptance follows each row's target down its tree (``tree_verify``'s
-rules: greedy, the request's own sampler, or recursive rejection over
-siblings at temperature > 0), and ``ragged.RaggedKVCache.gather_window``
+Acceptance follows each row's target down its tree (``batch_verify.verify``,
+the rules of ``sampling.accept``: greedy, the request's own sampler, or
+recursive rejection over siblings at temperature > 0), and ``ragged.RaggedKVCache.gather_window``
 moves the accepted path's entries to the front of the row's window before
 the usual ragged rollback drops the rest.
 """
@@ -28,14 +28,13 @@ the usual ragged rollback drops the rest.
 import contextlib
 import logging
 import weakref
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from mlx_lm_ext import api as host
 
-from . import sampling, tree_verify
 from . import target as target_mod
 from . import tree as tree_mod
 
@@ -134,76 +133,6 @@ def forward(
     """Logits ``[B, W, V]`` of one batched tree forward."""
     with attention(model, parents, policy):
         return model(mx.array(windows, mx.uint32), cache=caches)
-
-
-# ------------------------------------------------------------ acceptance
-
-
-def verify(
-    logits: mx.array,
-    windows: List[List[int]],
-    parents: List[List[int]],
-    sizes: List[int],
-    rules: List[Any],
-    processors: List[Sequence[Any]],
-    contexts: List[Optional[mx.array]],
-) -> Tuple[List[mx.array], List[List[int]], List[int], List[bool]]:
-    """Per row: log-probabilities along the accepted path (``[a + 1, V]``),
-    the path (window indices, the pending token's 0 first), the token after
-    it, and whether a drafted node below the path's end was rejected.
-    ``sizes[i]``: the row's nodes (its pending token included); the rest of
-    its window is padding."""
-    B = logits.shape[0]
-    if not any(processors) and all(r.kind == "greedy" for r in rules):
-        return _greedy(logits, windows, parents, sizes)
-    lps, draws = [], []
-    for i in range(B):
-        n, rule = sizes[i], rules[i]
-        toks, par = windows[i][:n], parents[i][:n]
-        # Processors see the row's tokens through each node: its context
-        # holds what the cache holds, the pending token (the root) follows.
-        lp = sampling.window_logprobs(logits[i, :n], processors[i], contexts[i], toks, par)
-        lps.append(lp)
-        if rule.kind == "explicit":
-            draws.append(tree_verify.sampled_draws(lp, toks, par, rule.temp, rule.filt))
-        elif rule.kind == "greedy":
-            draws.append((mx.argmax(lp, axis=-1),))
-        else:
-            rule.check(lp.shape[-1])
-            draws.append((sampling.verify_match(lp, rule.sampler),))
-    mx.eval(lps, draws)
-    out_lps, paths, targets, rejected = [], [], [], []
-    for i in range(B):
-        n, par = sizes[i], parents[i][: sizes[i]]
-        if rules[i].kind == "explicit":
-            path, tok = tree_verify.accept_sampled(*(d.tolist() for d in draws[i]), par)
-        else:
-            path, tok = tree_verify.accept_path(draws[i][0].tolist(), windows[i][:n], par)
-        out_lps.append(lps[i][mx.array(path, mx.int32)])
-        paths.append(path)
-        targets.append(int(tok))
-        rejected.append(bool(tree_mod.children(par)[path[-1]]))
-    return out_lps, paths, targets, rejected
-
-
-def _greedy(logits, windows, parents, sizes):
-    """``verify`` for greedy rows without processors: one log-softmax and one
-    argmax for the batch (a GPU launches a handful of kernels, not B times
-    as many), then each row's walk down its tree in Python."""
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    best = mx.argmax(lp, axis=-1)
-    mx.eval(lp, best)
-    out_lps, paths, targets, rejected = [], [], [], []
-    for i, t in enumerate(best.tolist()):
-        n, par = sizes[i], parents[i][: sizes[i]]
-        path, tok = tree_verify.accept_path(t[:n], windows[i][:n], par)
-        m = len(path)
-        contiguous = path == list(range(m))
-        out_lps.append(lp[i, :m] if contiguous else lp[i][mx.array(path, mx.int32)])
-        paths.append(path)
-        targets.append(int(tok))
-        rejected.append(bool(tree_mod.children(par)[path[-1]]))
-    return out_lps, paths, targets, rejected
 
 
 # ------------------------------------------------- does this model fit

@@ -1,8 +1,8 @@
 """One batched verify forward's per-row acceptance, and the batch's draft length.
 
 ``verify`` turns the logits of a forward over ``[B, W]`` windows (row i:
-its pending token, then its ``k_i`` drafts, then padding) into each row's
-log-probabilities, accepted count and next token, with the row's own
+its ``sampling.Window``, a chain or a tree, then padding) into each row's
+log-probabilities, accepted path and next token, with the row's own
 sampler and logits processors (the rules of ``sampling``: greedy match,
 lossless speculative sampling, or sample-and-match).
 
@@ -41,84 +41,68 @@ import mlx.core as mx
 from . import sampling
 
 
-class RowRule:
-    """How one row's tokens are drawn: its sampler, described once."""
-
-    def __init__(self, sampler: Any):
-        self.sampler = sampler
-        self.kind, self.temp, self.filt = sampling.describe(sampler)
-        self.checked = self.kind != "match"
-
-    def check(self, vocab: int) -> None:
-        """A sampler drawn and matched: checked once, on the first round."""
-        if not self.checked:
-            sampling.check_sampler(self.sampler, vocab)
-            self.checked = True
-
-
 def verify(
     logits: mx.array,
-    windows: List[List[int]],
-    drafts: List[List[int]],
-    rules: List[RowRule],
+    windows: List[sampling.Window],
+    rules: List[sampling.Rule],
     processors: List[Sequence[Any]],
     contexts: List[Optional[mx.array]],
-) -> Tuple[List[mx.array], List[int], List[int]]:
-    """Per row: log-probabilities ``[k_i + 1, V]``, accepted drafts, next token.
+) -> Tuple[List[mx.array], List[List[int]], List[int], List[bool]]:
+    """Per row, from the logits of a forward over ``[B, W]`` (row i: its
+    window's nodes, then padding): log-probabilities along the accepted path
+    (``[a + 1, V]``), the path (window indices, the pending token's 0 first),
+    the token after it, and whether a drafted node below the path's end was
+    rejected. Chains and trees alike (``sampling.accept``'s rules).
 
     Everything is evaluated in one ``mx.eval``: the rows' logprobs (the
     server reads each emitted token's) and their acceptance draws.
     """
-    B = logits.shape[0]
-    plain = not any(processors)
-    lp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if plain else None
-    if plain and all(r.kind == "greedy" for r in rules):
-        return _greedy(lp_all, drafts)
-    lps, pending = [], []
-    for i in range(B):
-        k = len(drafts[i])
-        if plain:
-            lp = lp_all[i, : k + 1]
-        else:
-            lp = sampling.window_logprobs(
-                logits[i, : k + 1], processors[i], contexts[i], windows[i][: k + 1]
-            )
+    if not any(processors) and all(r.kind == "greedy" for r in rules):
+        return _greedy(logits, windows)
+    lps, draws = [], []
+    for i, (win, rule) in enumerate(zip(windows, rules, strict=True)):
+        # Processors see the row's tokens through each node: its context
+        # holds what the cache holds, the pending token (the root) follows.
+        n = len(win.parents)
+        lp = sampling.window_logprobs(
+            logits[i, :n], processors[i], contexts[i], win.tokens, win.parents
+        )
         lps.append(lp)
-        rule = rules[i]
-        d = mx.array(drafts[i], mx.uint32)
-        if rule.kind == "greedy":
-            pending.append((mx.argmax(lp, axis=-1),))
-        elif rule.kind == "explicit":
-            pending.append(sampling.verify_explicit(lp, d, None, rule.temp, rule.filt))
-        else:
-            rule.check(lp.shape[-1])
-            pending.append((sampling.verify_match(lp, rule.sampler),))
-    mx.eval(lps, pending)
-    accepted, targets = [], []
-    for i in range(B):
-        d, rule = drafts[i], rules[i]
-        if rule.kind == "explicit":
-            keep, res, bonus = (x.tolist() for x in pending[i])
-            a = keep.index(False) if False in keep else len(d)
-            targets.append(res[a] if a < len(d) else bonus[0])
-        else:
-            t = pending[i][0].tolist()
-            a = sampling.kept(d, t)
-            targets.append(t[a])
-        accepted.append(a)
-    return lps, accepted, targets
+        draws.append(sampling.draws(win, lp, rule))
+    mx.eval(lps, draws)
+    walked = [
+        sampling.walk(win, [x.tolist() for x in d], rule.kind)
+        for win, d, rule in zip(windows, draws, rules, strict=True)
+    ]
+    return _rows(lps, windows, walked)
 
 
-def _greedy(lp: mx.array, drafts: List[List[int]]) -> Tuple[List[mx.array], List[int], List[int]]:
-    """``verify`` for a batch of greedy rows without processors: one argmax."""
+def _greedy(
+    logits: mx.array, windows: List[sampling.Window]
+) -> Tuple[List[mx.array], List[List[int]], List[int], List[bool]]:
+    """``verify`` for greedy rows without processors: one log-softmax and one
+    argmax for the batch (a GPU launches a handful of kernels, not B times
+    as many), then each row's walk in Python."""
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     best = mx.argmax(lp, axis=-1)
     mx.eval(lp, best)
-    accepted, targets = [], []
-    for d, t in zip(drafts, best.tolist(), strict=True):
-        a = sampling.kept(d, t)
-        accepted.append(a)
-        targets.append(t[a])
-    return [lp[i, : len(d) + 1] for i, d in enumerate(drafts)], accepted, targets
+    walked = [
+        sampling.walk(win, (t[: len(win.parents)],), "greedy")
+        for win, t in zip(windows, best.tolist(), strict=True)
+    ]
+    return _rows([lp[i] for i in range(len(windows))], windows, walked)
+
+
+def _rows(lps, windows, walked):
+    """``verify``'s lists from each row's log-probs and ``(path, token)``."""
+    out_lps, paths, targets, rejected = [], [], [], []
+    for lp, win, (path, tok) in zip(lps, windows, walked, strict=True):
+        m = len(path)
+        out_lps.append(lp[:m] if path == list(range(m)) else lp[mx.array(path, mx.int32)])
+        paths.append(path)
+        targets.append(tok)
+        rejected.append(any(p == path[-1] for p in win.parents[1:]))
+    return out_lps, paths, targets, rejected
 
 
 def expected_tokens(alpha: float, k: int) -> float:

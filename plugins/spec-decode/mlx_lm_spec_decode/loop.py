@@ -143,13 +143,13 @@ class VerifyLoop:
         self.prompt_cache = prompt_cache
         self.target_cache = prompt_cache[: self.n_t]
         dcache = self._drafter_caches()
-        self.kind, self.temp, self.filt = sampling.describe(sampler)
+        self.rule = sampling.Rule(sampler)  # the acceptance rule, described once
         self.sampler = sampler or greedy_sampler
         self.logits_processors = logits_processors
         self.split = self._split()
         self.attention = target_mod.attention_policy()  # a bad MLX_LM_SPEC_ATTENTION fails here
         self.ctx = DraftContext(
-            model, self.target_cache, dcache, temp=self.temp or 0.0, filter=self.filt
+            model, self.target_cache, dcache, temp=self.rule.temp or 0.0, filter=self.rule.filt
         )
         self.ctl = Controller(
             num_draft_tokens,
@@ -163,7 +163,6 @@ class VerifyLoop:
         stats_mod.start(self.st)
         # The token history for logits processors (only when there are some).
         self.context = list(tokens) if logits_processors else None
-        self.match_checked = False  # a custom sampler is checked once, on the first verify
         self.emitted = 0  # tokens yielded
         # Tokens the drafter was told of: more than yielded if the consumer stops early.
         self.told = 0
@@ -384,28 +383,13 @@ class VerifyLoop:
     def _verify(self, drafts, q):
         """One target forward over ``[y, drafts]``: the logprobs rows, the
         hidden states (or None), the accepted count and the target's token."""
-        k = drafts.size
-        window = mx.concatenate([mx.array([self.y], mx.uint32), drafts.astype(mx.uint32)])
-        logits, hidden = self.forward(window)
+        win = sampling.chain(self.y, drafts, q)
+        logits, hidden = self.forward(win.tokens)
         self.quantize()
-        lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), window)
-        if self.kind == "explicit":
-            keep, res, bonus = sampling.verify_explicit(lp, drafts, q, self.temp, self.filt)
-            mx.eval(keep, res, bonus, drafts)
-            keep = keep.tolist()
-            a = keep.index(False) if False in keep else k
-            target_tok = res.tolist()[a] if a < k else bonus.item()
-            return lp, hidden, a, target_tok
-        if self.kind == "greedy":
-            t = sampling.verify_greedy(lp, drafts)
-        else:
-            t = _match(lp, self.sampler, self.match_checked)
-        self.match_checked = True
+        lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), win.tokens)
         # The logprobs rows stay lazy: only a consumer that reads them pays.
-        mx.eval(t, drafts)
-        t = t.tolist()
-        a = sampling.kept(drafts.tolist(), t)
-        return lp, hidden, a, t[a]
+        path, target_tok = sampling.accept(win, lp, self.rule)
+        return lp, hidden, len(path) - 1, target_tok
 
     def _fall_back(self, room):
         """Warn once that the caches cannot be rolled back, and why."""
@@ -514,9 +498,3 @@ class VerifyLoop:
             # The caller's list must see the quantized caches (mlx-lm's own
             # loop quantizes a slice copy, and the server stores stale ones).
             self.prompt_cache[: self.n_t] = self.target_cache
-
-
-def _match(lp, sampler, checked):
-    if not checked:
-        sampling.check_sampler(sampler, lp.shape[-1])
-    return sampling.verify_match(lp, sampler)

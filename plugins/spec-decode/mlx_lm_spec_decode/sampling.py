@@ -1,6 +1,11 @@
 """Acceptance rules: which drafted tokens the target keeps, losslessly.
 
-Three rules, picked from the sampler the caller passed:
+One verify window (``Window``: a chain is a tree whose parents are
+``i - 1``), one log-probabilities function (``window_logprobs``) and one
+acceptance function (``accept``; ``draws`` then ``walk`` where a batch
+evaluates its rows' draws together) serve the serial loop, its token trees,
+the batched server and its trees. Three rules, picked from the sampler the
+caller passed (``Rule``):
 
 - ``greedy`` (no sampler, or temperature 0): keep drafts while they equal the
   target's argmax; the first mismatch position yields the target's argmax.
@@ -22,9 +27,14 @@ Logits processors run per position, each seeing the tokens before it (the
 accepted drafts included), exactly as in plain decoding. What cannot be made
 lossless is refused by ``check_sampler``: a sampler that does not return one
 token id for a one-row input.
+
+In a tree each rule walks down from the root: greedy and match follow the
+child equal to the target's token; explicit tries a node's children in
+order by recursive rejection (a rejected child's token leaves the residual)
+and draws from the residual when all are rejected.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
@@ -89,49 +99,140 @@ def check_sampler(sampler: Sampler, vocab_size: int) -> None:
         )
 
 
-def verify_greedy(logprobs: mx.array, drafts: mx.array) -> mx.array:
-    """(lazy) target tokens for every row; the caller counts the matches."""
-    return mx.argmax(logprobs, axis=-1)
+class Rule:
+    """How one request's tokens are drawn: its sampler, described once."""
+
+    def __init__(self, sampler: Optional[Sampler]):
+        self.sampler = sampler
+        self.kind, self.temp, self.filt = describe(sampler)
+        self.checked = self.kind != "match"
+
+    def check(self, vocab: int) -> None:
+        """A sampler drawn and matched: checked once, on the first round."""
+        if not self.checked:
+            check_sampler(self.sampler, vocab)
+            self.checked = True
 
 
-def verify_explicit(
-    logprobs: mx.array, drafts: Any, q: Optional[mx.array], temp: float, filt: Optional[Sampler]
-) -> tuple[mx.array, mx.array, mx.array]:
-    """Lazy ``(keep[k], residual_tokens[k], bonus[1])`` for the speculative sampling rule."""
+class Window(NamedTuple):
+    """One verify window, a chain or a tree: ``tokens[0]`` is the pending
+    token (the root, parent -1), every other node a drafted token whose
+    parent comes before it; a chain's parents are ``i - 1``. ``tokens`` may
+    be a (lazy) array: a draft model's drafts feed the forward unread. ``q``:
+    for a chain drafted by sampling, the drafter's distribution at each
+    drafted node (``[n - 1, V']``); None: drafted deterministically."""
+
+    tokens: Union[List[int], mx.array]
+    parents: List[int]
+    q: Optional[mx.array] = None
+
+
+def chain(pending: int, drafts: Any, q: Optional[mx.array] = None) -> Window:
+    """The chain window ``[pending, drafts...]`` (``drafts``: ids or an array)."""
+    if isinstance(drafts, mx.array):
+        tokens = mx.concatenate([mx.array([pending], mx.uint32), drafts.astype(mx.uint32)])
+        n = 1 + drafts.size
+    else:
+        tokens, n = [int(pending)] + [int(t) for t in drafts], 1 + len(drafts)
+    return Window(tokens, list(range(-1, n - 1)), q)
+
+
+def _children(parents: List[int]) -> List[List[int]]:
+    out: List[List[int]] = [[] for _ in parents]
+    for i, p in enumerate(parents[1:], 1):
+        out[p].append(i)
+    return out
+
+
+def draws(win: Window, logprobs: mx.array, rule: Rule) -> tuple:
+    """Lazy draws for ``walk`` from the target's log-probabilities at each
+    node of ``win`` (``[n, V]``, as ``window_logprobs`` gives them): greedy,
+    the argmax per node; match, the sampler's own draw per node; explicit,
+    ``_sampled``."""
+    if rule.kind == "greedy":
+        return (mx.argmax(logprobs, axis=-1),)
+    if rule.kind == "match":
+        rule.check(logprobs.shape[-1])
+        n = logprobs.shape[0]
+        return (mx.concatenate([rule.sampler(logprobs[i : i + 1]).reshape(1) for i in range(n)]),)
+    return _sampled(win, logprobs, rule.temp, rule.filt)
+
+
+def _sampled(win: Window, logprobs: mx.array, temp: float, filt: Optional[Sampler]) -> tuple:
+    """Per node ``c``: ``p(c)`` under its parent's target distribution, the
+    drafter's ``q(c)`` (1 when drafted deterministically), a uniform, and a
+    token drawn from the node's residual (its distribution less what its
+    children took: the tokens themselves, or ``q`` for a sampled chain)."""
     lp = filt(logprobs) if filt is not None else logprobs
     p = mx.softmax(lp.astype(mx.float32) * (1.0 / temp), axis=-1)
-    k = len(drafts) if not isinstance(drafts, mx.array) else drafts.size
-    bonus = mx.random.categorical(mx.log(p[k:]))
-    if k == 0:
-        return mx.zeros((0,), mx.bool_), mx.zeros((0,), mx.uint32), bonus
-    d = drafts if isinstance(drafts, mx.array) else mx.array(drafts, mx.uint32)
-    rows = mx.arange(k)
-    pk = p[:k]
-    p_d = pk[rows, d]
-    if q is None:
-        ratio = p_d
-        residual = mx.put_along_axis(pk, d[:, None].astype(mx.int32), mx.array(0.0), axis=-1)
+    n, V = p.shape
+    toks = win.tokens if isinstance(win.tokens, mx.array) else mx.array(win.tokens, mx.uint32)
+    cols = toks[1:].astype(mx.int32)
+    rows = mx.array(win.parents[1:], mx.int32)
+    zero = mx.zeros((1,), mx.float32)
+    num = mx.concatenate([zero, p[rows, cols]]) if n > 1 else zero
+    den = mx.ones((n,), mx.float32)
+    if win.q is None or n == 1:
+        taken = mx.zeros(p.shape, mx.float32)
+        if n > 1:
+            taken[rows, cols] = num[1:]
+        residual = p - taken
     else:
-        q = q.astype(mx.float32)
-        V = pk.shape[-1]
+        if win.parents != list(range(-1, n - 1)):
+            raise ValueError("a drafter's distributions q are for chains only")
+        q = win.q.astype(mx.float32)
         if q.shape[-1] < V:
-            q = mx.concatenate([q, mx.zeros((k, V - q.shape[-1]), mx.float32)], axis=-1)
+            q = mx.concatenate([q, mx.zeros((n - 1, V - q.shape[-1]), mx.float32)], axis=-1)
         q = q[:, :V]
-        ratio = mx.minimum(1.0, p_d / mx.maximum(q[rows, d], 1e-30))
-        residual = mx.maximum(pk - q, 0.0)
-    # A residual of all zeros only occurs where rejection has probability 0.
-    total = residual.sum(axis=-1, keepdims=True)
-    residual = mx.where(total > 0, residual, pk)
-    keep = mx.random.uniform(shape=(k,)) < ratio
-    res_tokens = mx.random.categorical(mx.log(residual))
-    return keep, res_tokens, bonus
+        den = mx.concatenate([mx.ones((1,), mx.float32), q[mx.arange(n - 1), cols]])
+        # Node i's child was drawn from q[i]; the last node has none.
+        residual = p - mx.concatenate([q, mx.zeros((1, V), mx.float32)])
+    residual = mx.maximum(residual, 0.0)
+    # All the mass on the children: rejecting them all has probability 0.
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 1e-9, residual, p)
+    return num, den, mx.random.uniform(shape=(n,)), mx.random.categorical(mx.log(residual))
 
 
-def verify_match(logprobs: mx.array, sampler: Sampler) -> mx.array:
-    """The sampler's own draw for each row, one row per call."""
-    return mx.concatenate(
-        [sampler(logprobs[i : i + 1]).reshape(1) for i in range(logprobs.shape[0])]
-    )
+def walk(win: Window, values: Sequence[List[Any]], kind: str) -> tuple[List[int], int]:
+    """The accepted path (node indices, the root first) and the token after
+    it, from ``draws``' values (lists). Greedy and match follow the target's
+    token down the tree. Explicit is speculative sampling with recursive
+    rejection over siblings: at a node whose remaining distribution is
+    ``r`` (the target's, less the children already rejected), child ``c``
+    is kept with probability ``min(1, r(c) / q(c))``; when every child is
+    rejected, the token is drawn from what is left. Each emitted token is
+    then distributed exactly as the target's own."""
+    tokens = win.tokens.tolist() if isinstance(win.tokens, mx.array) else win.tokens
+    kids = _children(win.parents)
+    node, path = 0, [0]
+    if kind != "explicit":
+        (targets,) = values
+        while True:
+            t = targets[node]
+            nxt = next((c for c in kids[node] if tokens[c] == t), None)
+            if nxt is None:
+                return path, int(t)
+            path.append(nxt)
+            node = nxt
+    num, den, u, res = values
+    while True:
+        rest = 1.0  # the mass of r: one-hot q takes each rejected child's p
+        for c in kids[node]:
+            if u[c] * rest * den[c] < num[c]:
+                path.append(c)
+                node = c
+                break
+            rest -= num[c]
+        else:
+            return path, int(res[node])
+
+
+def accept(win: Window, logprobs: mx.array, rule: Rule) -> tuple[List[int], int]:
+    """``walk`` over ``draws``, evaluated here (with the window's tokens):
+    the accepted path and the target's token after it."""
+    d = draws(win, logprobs, rule)
+    mx.eval(d, win.tokens if isinstance(win.tokens, mx.array) else [])
+    return walk(win, [x.tolist() for x in d], rule.kind)
 
 
 def window_logprobs(

@@ -8,13 +8,14 @@ the target accepts, and the cache left holding exactly that path.
   expected tokens per second under the controller's measured verify cost
   (``Controller.verify_cost``): where a wider forward costs, what is left is
   a chain, and the loop verifies it as any other chain.
-- Acceptance (``accept_path``, ``accept_sampled``): greedy follows the
-  target's argmax down the tree; a custom sampler follows its own draw at
-  each node; at temperature > 0 the siblings are tried in turn by recursive
-  rejection (a drafted token ``x`` is kept with probability ``r(x) / mass(r)``
-  where ``r`` is the target's distribution less the siblings already
-  rejected; when all are rejected the token is drawn from what is left).
-  Each emitted token is distributed exactly as the target's own.
+- Acceptance is the one rule of chains and trees (``sampling.accept``):
+  greedy follows the target's argmax down the tree; a custom sampler
+  follows its own draw at each node; at temperature > 0 the siblings are
+  tried in turn by recursive rejection (a drafted token ``x`` is kept with
+  probability ``r(x) / mass(r)`` where ``r`` is the target's distribution
+  less the siblings already rejected; when all are rejected the token is
+  drawn from what is left). Each emitted token is distributed exactly as
+  the target's own.
 - The cache (``compact``): the tree forward appended every node; the
   accepted path's entries (not contiguous in general) are gathered into
   place right after the prefix, and the rest is trimmed. Keys there are
@@ -32,64 +33,6 @@ from . import sampling
 from . import tree as tree_mod
 
 log = logging.getLogger("mlx_lm_spec_decode")
-
-
-# ------------------------------------------------------------ acceptance
-
-
-def accept_path(targets: list[int], tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
-    """Follow ``targets[node]`` (the target's token after each node) down the
-    tree: the accepted path (root first) and the target's token after it."""
-    kids = tree_mod.children(parents)
-    node, path = 0, [0]
-    while True:
-        t = targets[node]
-        nxt = next((c for c in kids[node] if tokens[c] == t), None)
-        if nxt is None:
-            return path, t
-        path.append(nxt)
-        node = nxt
-
-
-def sampled_draws(
-    logprobs: mx.array, tokens: list[int], parents: list[int], temp: float, filt: Any
-) -> tuple[mx.array, mx.array, mx.array]:
-    """Lazy draws for ``accept_sampled``: each drafted node's probability
-    under its parent's distribution, a uniform per node, and per node a token
-    drawn from its distribution less its children's tokens."""
-    lp = filt(logprobs) if filt is not None else logprobs
-    p = mx.softmax(lp.astype(mx.float32) * (1.0 / temp), axis=-1)
-    n = len(tokens)
-    rows = mx.array(parents[1:], mx.int32)
-    cols = mx.array(tokens[1:], mx.int32)
-    p_child = mx.concatenate([mx.zeros((1,), mx.float32), p[rows, cols]])
-    taken = mx.zeros(p.shape, mx.float32)
-    if n > 1:
-        taken[rows, cols] = p_child[1:]
-    residual = p - taken
-    # All the mass on drafted children: rejecting them all has probability 0.
-    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 1e-9, residual, p)
-    res_tok = mx.random.categorical(mx.log(mx.maximum(residual, 0.0)))
-    return p_child, mx.random.uniform(shape=(n,)), res_tok
-
-
-def accept_sampled(
-    p_child: list[float], u: list[float], res_tok: list[int], parents: list[int]
-) -> tuple[list[int], int]:
-    """Recursive rejection over siblings (``sampled_draws``' values): the
-    accepted path and the token drawn after it."""
-    kids = tree_mod.children(parents)
-    node, path = 0, [0]
-    while True:
-        rest = 1.0
-        for c in kids[node]:
-            if u[c] * rest < p_child[c]:
-                path.append(c)
-                node = c
-                break
-            rest -= p_child[c]
-        else:
-            return path, res_tok[node]
 
 
 # ------------------------------------------------------------- the cache
@@ -187,19 +130,7 @@ class TreeRounds:
         # The loop's context ends with its pending token, the tree's root.
         before = loop.context[:-1] if loop.context is not None else None
         lp = sampling.window_logprobs(logits, loop.logits_processors, before, tokens, parents)
-        if loop.kind == "explicit":
-            draws = sampled_draws(lp, tokens, parents, loop.temp, loop.filt)
-            mx.eval(*draws)
-            path, tok = accept_sampled(*(d.tolist() for d in draws), parents)
-        else:
-            if loop.kind == "greedy":
-                t = sampling.verify_greedy(lp, None)
-            else:
-                if not loop.match_checked:
-                    sampling.check_sampler(loop.sampler, lp.shape[-1])
-                t = sampling.verify_match(lp, loop.sampler)
-            loop.match_checked = True
-            path, tok = accept_path(t.tolist(), tokens, parents)
+        path, tok = sampling.accept(sampling.Window(tokens, parents), lp, loop.rule)
         compact(loop.target_cache, start, len(tokens), path)
         a = len(path) - 1
         out = [tokens[i] for i in path[1:]] + [int(tok)]

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from mlx_lm_spec_decode import Drafter, DraftModelDrafter, speculative_generate_step
-from mlx_lm_spec_decode.sampling import describe
+from mlx_lm_spec_decode.sampling import Rule, Window, accept, chain, describe
 
 N = 600
 TEMP = 0.8
@@ -202,3 +202,93 @@ def test_one_logprobs_function_for_chains_and_trees():
     plain = window_logprobs(logits, None, ctx, win)
     assert mx.allclose(plain, logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item()
     assert [kept([1, 2, 3], t) for t in ([1, 2, 3, 4], [1, 9, 3, 4], [1, 2])] == [3, 1, 2]
+
+
+# ------------------------------------------- the one acceptance function
+
+
+def _emit(win, lp, rule):
+    """The tokens a round over ``win`` emits: the accepted path's, then the next."""
+    path, tok = accept(win, lp, rule)
+    tokens = win.tokens.tolist() if isinstance(win.tokens, mx.array) else win.tokens
+    return [tokens[i] for i in path[1:]] + [tok]
+
+
+def _tv(counts, probs, n):
+    keys = set(counts) | set(range(len(probs)))
+    return 0.5 * sum(abs(counts.get(k, 0) / n - (probs[k] if k < len(probs) else 0)) for k in keys)
+
+
+def test_greedy_acceptance_on_chains_and_trees():
+    """Greedy keeps the longest path the target's argmax agrees with."""
+    V = 6
+    best = [3, 1, 4, 2, 5]  # the target's argmax after each node
+    lp = mx.log(mx.softmax(mx.eye(V)[mx.array(best)] * 4.0, axis=-1))
+    rule = Rule(None)
+    assert accept(chain(0, [3, 1, 0, 5]), lp, rule) == ([0, 1, 2], 4)
+    assert accept(chain(0, mx.array([3, 2, 0, 5])), lp, rule) == ([0, 1], 1)
+    # Root children 2 (node 1) and 3 (node 2); node 2's children 0 and 4.
+    tree = Window([0, 2, 3, 0, 4], [-1, 0, 0, 2, 2])
+    assert accept(tree, lp, rule) == ([0, 2, 4], 5)
+
+
+TRIALS = 3000
+
+
+@pytest.mark.parametrize("form", ["tree, deterministic siblings", "chain, sampled with q"])
+def test_speculative_sampling_emits_the_targets_distribution(form):
+    """Over many rounds on a five-token vocabulary, the first and second
+    emitted tokens follow the target's own distributions (total variation
+    within sampling noise), with drafts that are often rejected: the
+    residual step after a rejection carries what the drafts took away."""
+    V = 5
+    mx.random.seed(11)
+    p = mx.softmax(mx.random.normal((6, V)) * 1.5, axis=-1)
+    lp = mx.log(p)
+    rule = Rule(make_sampler(1.0))
+    assert rule.kind == "explicit"
+    first, second = Counter(), {t: Counter() for t in range(V)}
+    if form.startswith("tree"):
+        # Root children: the two likeliest tokens; node 1 has one child, node 2 two.
+        order = mx.argsort(-p[0]).tolist()
+        tokens, parents = [4, order[0], order[1], 2, 0, 3], [-1, 0, 0, 1, 2, 2]
+        win = Window(tokens, parents)
+        cond = {tokens[1]: 1, tokens[2]: 2}  # the node whose row the second token follows
+        for _ in range(TRIALS):
+            out = _emit(win, lp, rule)
+            first[out[0]] += 1
+            if out[0] in cond and len(out) > 1:
+                second[out[0]][out[1]] += 1
+    else:
+        q = mx.softmax(mx.random.normal((1, V)) * 1.5, axis=-1)
+        draws_q = mx.random.categorical(mx.log(q[0]), shape=(TRIALS,)).tolist()
+        cond = {t: 1 + t for t in range(V)}  # row 1 + t: the target after token t
+        for x in draws_q:
+            out = _emit(chain(4, [x], q), mx.stack([lp[0], lp[1 + x]]), rule)
+            first[out[0]] += 1
+            if len(out) > 1:
+                second[out[0]][out[1]] += 1
+    pl = p.tolist()
+    assert _tv(first, pl[0], TRIALS) < 0.04, first
+    checked = 0
+    for t, row in cond.items():
+        n = sum(second[t].values())
+        if n >= 300:
+            assert _tv(second[t], pl[row], n) < 0.1, (t, second[t])
+            checked += 1
+    assert checked
+
+
+def test_total_variation_detects_a_skipped_residual():
+    """The bound above can fail: drawing a rejected round's token from the
+    target itself (not the residual) over-emits the drafted tokens."""
+    V = 5
+    mx.random.seed(11)
+    p = mx.softmax(mx.random.normal((6, V)) * 1.5, axis=-1).tolist()
+    order = sorted(range(V), key=lambda t: -p[0][t])
+    # Children a, b tried in turn; all rejected with 1 - p(a) - p(b), then drawn from p.
+    skewed = [(1 - p[0][order[0]] - p[0][order[1]]) * x for x in p[0]]
+    skewed[order[0]] += p[0][order[0]]
+    skewed[order[1]] += p[0][order[1]]
+    counts = Counter({t: round(c * TRIALS) for t, c in enumerate(skewed)})
+    assert _tv(counts, p[0], TRIALS) > 0.04

@@ -21,6 +21,7 @@ from mlx_lm_spec_decode import (
     SuffixCorpus,
     SuffixDrafter,
     last_stats,
+    sampling,
     speculative_generate_step,
     tree_verify,
 )
@@ -125,14 +126,19 @@ def test_tree_forward_equals_chain_forwards_and_compacts_to_them(tiny_llama, pol
 
 
 def test_greedy_and_sampled_acceptance_walk_the_tree():
-    tokens, parents = [0, 4, 7, 1, 2], [-1, 0, 0, 2, 2]
+    win = sampling.Window([0, 4, 7, 1, 2], [-1, 0, 0, 2, 2])
     # Target says 7 after the root, 2 after node 2, 9 after node 4.
-    targets = [7, 0, 2, 0, 9]
-    assert tree_verify.accept_path(targets, tokens, parents) == ([0, 2, 4], 9)
-    assert tree_verify.accept_path([5, 0, 0, 0, 0], tokens, parents) == ([0], 5)
+    assert sampling.walk(win, ([7, 0, 2, 0, 9],), "greedy") == ([0, 2, 4], 9)
+    assert sampling.walk(win, ([5, 0, 0, 0, 0],), "match") == ([0], 5)
     # Sampled: node 1 rejected (u * 1 >= p), node 2 accepted (u * rest < p).
     p_child, u, res = [0, 0.2, 0.5, 0.1, 0.1], [0, 0.5, 0.3, 0.99, 0.99], [8, 8, 6, 8, 8]
-    assert tree_verify.accept_sampled(p_child, u, res, parents) == ([0, 2], 6)
+    assert sampling.walk(win, (p_child, [1.0] * 5, u, res), "explicit") == ([0, 2], 6)
+    # A chain is the tree whose parents are i - 1: greedy keeps the agreeing prefix.
+    chain = sampling.chain(3, [5, 6, 7])
+    assert chain.parents == [-1, 0, 1, 2]
+    assert sampling.walk(chain, ([5, 6, 1, 0],), "greedy") == ([0, 1, 2], 1)
+    assert sampling.walk(chain, ([5, 6, 7, 8],), "greedy") == ([0, 1, 2, 3], 8)
+    assert sampling.walk(chain, ([9, 6, 7, 8],), "greedy") == ([0], 9)
 
 
 # ------------------------------------------------------ decoding with trees
