@@ -108,12 +108,26 @@ def extend_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Arg
         ns, extra = parser.parse_known_args(args, namespace)  # what original() does, then:
         if extra:  # a flag of a plugin not named says which (exit 2)
             plugins.unrecognized(parser, extra, command, names)
+        if names:
+            _check_model_folders(ns)
         if command != "lora":  # lora activates after its YAML merge (run)
             activate_cli(names, command, ns)
         return ns
 
     parser.parse_args = parse_args  # the parser object mlx-lm just built, not mlx-lm
     return parser
+
+
+def _check_model_folders(ns: argparse.Namespace) -> None:
+    """A ``--model`` / ``--draft-model`` that can only name a local folder, and
+    names none, exits 2: mlx-lm hands it to the Hugging Face client, whose
+    traceback is about repo ids. A name that may be a repo id is left to it."""
+    for dest in ("model", "draft_model"):
+        value = getattr(ns, dest, None)
+        if not isinstance(value, str) or os.path.exists(value):
+            continue
+        if value.startswith(("/", ".", "~")) or value.count("/") > 1 or "\\" in value:
+            plugins.fail(f"--{dest.replace('_', '-')} {value}: no such folder")
 
 
 def activate_cli(names: Iterable[str], command: str, args: argparse.Namespace) -> None:

@@ -86,6 +86,18 @@ def test_flag_of_a_plugin_not_named_says_which_plugin(run, command):
     assert r.returncode == 2 and "unrecognized arguments: --no-such-flag" in r.stderr
 
 
+@pytest.mark.parametrize("command", ["generate", "server", "lora"])
+def test_a_model_folder_that_does_not_exist_exits_2(run, tmp_path, command):
+    missing = str(tmp_path / "no-such-model")
+    cmd = [bin_path(f"mlx_lm.{command}"), "--plugin", "testplugin", "--model", missing]
+    r = run(cmd + (["--train", "--data", str(tmp_path)] if command == "lora" else []))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"mlx-lm-ext: error: --model {missing}: no such folder"
+    )
+
+
 def test_plugin_on_command_it_does_not_extend(run):
     r = run([bin_path("mlx_lm.generate"), "--plugin", "serveronly", "--prompt", "x"])
     assert r.returncode == 2
