@@ -39,6 +39,8 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
+from . import tree as tree_mod
+
 # logprobs [rows, V] -> token ids (a sampler) or filtered logprobs (a filter)
 Sampler = Callable[[mx.array], mx.array]
 
@@ -137,13 +139,6 @@ def chain(pending: int, drafts: Any, q: Optional[mx.array] = None) -> Window:
     return Window(tokens, list(range(-1, n - 1)), q)
 
 
-def _children(parents: List[int]) -> List[List[int]]:
-    out: List[List[int]] = [[] for _ in parents]
-    for i, p in enumerate(parents[1:], 1):
-        out[p].append(i)
-    return out
-
-
 def draws(win: Window, logprobs: mx.array, rule: Rule) -> tuple:
     """Lazy draws for ``walk`` from the target's log-probabilities at each
     node of ``win`` (``[n, V]``, as ``window_logprobs`` gives them): greedy,
@@ -203,7 +198,7 @@ def walk(win: Window, values: Sequence[List[Any]], kind: str) -> tuple[List[int]
     rejected, the token is drawn from what is left. Each emitted token is
     then distributed exactly as the target's own."""
     tokens = win.tokens.tolist() if isinstance(win.tokens, mx.array) else win.tokens
-    kids = _children(win.parents)
+    kids = tree_mod.children(win.parents)
     node, path = 0, [0]
     if kind != "explicit":
         (targets,) = values
@@ -259,11 +254,7 @@ def window_logprobs(
         if parents is None:
             seen = win[: i + 1]
         else:
-            path, j = [], i
-            while j >= 0:
-                path.append(j)
-                j = parents[j]
-            seen = mx.array([tokens[j] for j in reversed(path)], mx.uint32)
+            seen = mx.array([tokens[j] for j in tree_mod.path_to(parents, i)], mx.uint32)
         toks = mx.concatenate([base, seen])
         row = logits[i : i + 1]
         for proc in processors:
