@@ -54,7 +54,7 @@ from . import target as target_mod
 from . import tree as tree_mod
 from .batch_verify import BatchController, verify
 from .drafter import DraftContext
-from .ragged import keep_paths, ragged, rollback
+from .ragged import RaggedKVCache, keep_paths, ragged, rollback
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
@@ -62,6 +62,7 @@ MISS_RUN = 4  # proposal-less decisions in a row before plain steps come in doub
 COST_RUN = 8  # the longest run of plain steps between drafting decisions: a decision
 # reads nothing back from the device (it drafts from the tokens already emitted),
 # so it costs only the drafters' lookups, which overlap the step in flight
+SQUEEZE_RUN = 4  # a plain run this long after declines starts with the cache's holes squeezed out
 
 
 def read_back(tokens: mx.array) -> List[int]:
@@ -342,7 +343,19 @@ class SpecGenerationBatch(GenerationBatch):
                     row.guess = (len(self.tokens[i]) + (0 if ahead else 1), drafts[i])
             # Doubling while the decisions stay 0 (the controller counts them).
             self.plain_left = min(COST_RUN, 1 << min(max(spec.ctl.declined - 1, 0), 3))
+            if self.plain_left >= SQUEEZE_RUN:
+                self._squeeze()
         return gamma
+
+    def _squeeze(self) -> None:
+        """Squeeze the rounds' holes out of the cache (one gather), so that the
+        plain steps of a long run are mlx-lm's own: a holey cache adds a mask
+        built on the host to every step, which on a GPU costs a few ms."""
+        caches = self.prompt_cache
+        if caches and isinstance(caches[0], RaggedKVCache) and caches[0].hole_count():
+            plan = caches[0].squeeze_plan()
+            for c in caches:
+                c.squeeze(plan)
 
     def _plain(self) -> List[GenerationBatch.Response]:
         """mlx-lm's own step (each row feeds its pending token, one emitted),

@@ -501,3 +501,37 @@ def test_controller_settles_to_plain_steps_where_rounds_lose():
     assert share > 0.5 and speed > 1.5, (share, speed)
     share, speed = simulate_batch(3000, 0.015, 16, 12, 0.020)
     assert share > 0.5 and speed > 1.15, (share, speed)
+
+
+def test_a_long_plain_run_after_rounds_squeezes_their_holes_out(llama, monkeypatch):
+    """Rounds leave holes where rows rolled back apart; once the controller
+    declines long enough for a run of plain steps, the holes are squeezed
+    out first (plain steps then build stock's mask) and outputs stay stock's."""
+    from mlx_lm_spec_decode.batch_verify import BatchController
+    from mlx_lm_spec_decode.ragged import RaggedKVCache
+
+    def choose(self, B, proposed, *a):
+        self.rounds_asked = getattr(self, "rounds_asked", 0) + 1
+        if self.rounds_asked <= 6:
+            return 3
+        self.declined += 1
+        return 0
+
+    monkeypatch.setattr(BatchController, "choose", choose)
+    holey = []  # holes in the cache at each plain step's mask
+    make_mask = RaggedKVCache.make_mask
+
+    def spy(self, N, *a, **k):
+        if N == 1:
+            holey.append(self.holes is not None)
+        return make_mask(self, N, *a, **k)
+
+    monkeypatch.setattr(RaggedKVCache, "make_mask", spy)
+    model, tok = llama
+    prompts = prompts_of(tok)
+    stock = drive(BatchGenerator(model), prompts, [60, 60, 60])
+    gen = SpecBatchGenerator(model, NGramDrafter(n_min=1, tree=False), 4, 10)
+    rows = closed_stats(gen)
+    assert_same(stock, drive(gen, prompts, [60, 60, 60]))
+    assert sum(s.draft_rounds for s in rows) > 0 and any(s.drafted > s.accepted for s in rows)
+    assert any(holey) and not any(holey[-20:])
