@@ -191,6 +191,8 @@ def _batched(provider: Any, drafter: Any) -> bool:
     mod = sys.modules["mlx_lm.server"]
     if not plugins.active_implements("batch_generator"):
         return False
+    if getattr(provider.cli_args, "kv_bits", None) is not None:
+        return False  # mlx-lm serves every request one at a time then: draft there
     if not all(hasattr(c, "merge") for c in mod.make_prompt_cache(provider.model)):
         return False
     try:
