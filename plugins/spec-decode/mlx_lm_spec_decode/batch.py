@@ -332,6 +332,8 @@ class SpecGenerationBatch(GenerationBatch):
             # (open text) pipelined runs that double (2, 4, 8 steps).
             self.misses += 1
             self.plain_left = 1 if self.misses <= MISS_RUN else 1 << min(self.misses - MISS_RUN, 3)
+            if self.plain_left >= SQUEEZE_RUN:
+                self._squeeze()
             return 0
         self.misses = 0
         spec = self.spec

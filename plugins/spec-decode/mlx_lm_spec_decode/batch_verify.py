@@ -286,11 +286,16 @@ class BatchController:
         A size with too few rounds of its own takes the record of the
         largest smaller size that has one, against that size's plain steps:
         where fewer rows lost, more rows lose too (a step's cost grows with
-        rows, a round's even more), while fewer rows may still win."""
-        have = [k for k, q in self.yielded.items() if len(q) >= self.EXPLORE and k <= B]
-        if not have:
+        rows, a round's even more), while far fewer rows may still win; or,
+        without one, of the nearest larger size up to a third larger (rows
+        leaving one by one must not explore each size anew where drafting
+        lost)."""
+        have = [k for k, q in self.yielded.items() if len(q) >= self.EXPLORE]
+        below = [k for k in have if k <= B]
+        above = [k for k in have if B < k <= B + max(1, B // 3)]
+        if not below and not above:
             return False
-        near = max(have)
+        near = max(below) if below else min(above)
         if near != B:
             bp = self._near(self.plain, near, 1)
             if bp is None:

@@ -367,10 +367,12 @@ def test_controller_stops_drafting_where_rounds_emitted_less_than_plain_steps():
     R = BatchController.RETRY
     picks = [ctl.choose(4, [3, 3, 3, 3], [0.9] * 4) for _ in range(3 * R)]
     assert [i for i, g in enumerate(picks) if g] == [R - 1, 3 * R - 1]
-    # A row joins: five rows, no rounds of their own, take four's record;
-    # three rows do not (fewer rows may still win), so the cost model decides.
+    # A row joins: five rows, no rounds of their own, take four's record; so
+    # do three (a row left: a third fewer at most), but two do not (far fewer
+    # rows may still win), so the cost model decides.
     assert ctl.choose(5, [3] * 5, [0.9] * 5) == 0
-    assert ctl.choose(3, [3, 3, 3], [0.9] * 3) == 3
+    assert ctl.choose(3, [3, 3, 3], [0.9] * 3) == 0
+    assert ctl.choose(2, [3, 3], [0.9] * 2) == 3
     # Rounds that do better refresh the figures, and drafting resumes.
     for _ in range(BatchController.SAMPLES):
         ctl.verify_round(4, 4, 0.15, tokens=12)
