@@ -119,14 +119,10 @@ def extend_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Arg
 
 
 def _check_model_folders(ns: argparse.Namespace) -> None:
-    """A ``--model`` / ``--draft-model`` that can only name a local folder, and
-    names none, exits 2: mlx-lm hands it to the Hugging Face client, whose
-    traceback is about repo ids. A name that may be a repo id is left to it."""
+    """A ``--model`` / ``--draft-model`` naming a local folder that is not there exits 2."""
     for dest in ("model", "draft_model"):
         value = getattr(ns, dest, None)
-        if not isinstance(value, str) or os.path.exists(value):
-            continue
-        if value.startswith(("/", ".", "~")) or value.count("/") > 1 or "\\" in value:
+        if plugins.missing_folder(value):
             plugins.fail(f"--{dest.replace('_', '-')} {value}: no such folder")
 
 

@@ -11,6 +11,7 @@ import argparse
 import functools
 import importlib.metadata
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, NoReturn, Optional, Tuple, Union
@@ -389,6 +390,16 @@ def python_args(name: str, options: Dict[str, Any]) -> argparse.Namespace:
             raise PluginError(f"plugin '{name}' has no option '{key}' (options: {known})")
         setattr(args, key, value)
     return args
+
+
+def missing_folder(value: Any) -> bool:
+    """Whether a ``--model`` / ``--data`` value can only name a local path and
+    names nothing: mlx-lm would hand it to the Hugging Face client, whose
+    error is about repo ids or a missing package. A value that may be a
+    repo id (``NAME`` or ``OWNER/NAME``) is left to mlx-lm."""
+    if not isinstance(value, str) or os.path.exists(value):
+        return False
+    return value.startswith(("/", ".", "~")) or value.count("/") > 1 or "\\" in value
 
 
 def fail(message: str, status: int = 2) -> NoReturn:

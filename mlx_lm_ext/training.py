@@ -111,6 +111,9 @@ def _make_loader(loss, args):
     def make(original):
         @functools.wraps(original)
         def load_dataset(run_args, tokenizer):
+            data = getattr(run_args, "data", None)
+            if not getattr(run_args, "hf_dataset", None) and plugins.missing_folder(data):
+                plugins.fail(f"--data {data}: no such folder")
             try:
                 sets = plugins.first("load_dataset", name=loss, args=run_args, tokenizer=tokenizer)
             except PluginError as e:  # a bad row: its file and line, exit 2
@@ -121,7 +124,7 @@ def _make_loader(loss, args):
                 return original(run_args, tokenizer)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 # mlx-lm's reader names neither the file nor the line
-                plugins.fail(_bad_line(getattr(run_args, "data", None)) or f"--data: {e}")
+                plugins.fail(_bad_line(data) or f"--data: {e}")
 
         return load_dataset
 

@@ -44,3 +44,13 @@ def test_a_line_not_utf8_in_valid_exits_2(tiny_model, tmp_path):
     assert _last_line(proc) == (
         "mlx-lm-ext: error: valid.jsonl line 2, column 14: not UTF-8 text (byte 0xe9)"
     )
+
+
+def test_a_data_folder_that_does_not_exist_exits_2(tiny_model, tmp_path):
+    missing = tmp_path / "no-such-data"
+    for loss in ("flash-cce", "orpo"):
+        cmd = [sys.executable, "-m", "mlx_lm", "lora", "--model", str(tiny_model("llama"))]
+        cmd += ["--train", "--data", str(missing), "--iters", "1", "--loss", loss]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=openblas_env())
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert _last_line(proc) == f"mlx-lm-ext: error: --data {missing}: no such folder"
