@@ -36,7 +36,6 @@ import importlib
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -48,11 +47,8 @@ from mlx_lm import load, stream_generate
 import mlx_lm_ext
 import mlx_lm_spec_decode as sd
 from mlx_lm_spec_decode import assistant
+from mlx_lm_spec_decode.assistant.recording import RecordingDrafter
 from mlx_lm_spec_decode.training.distill import Target
-
-# The loop's drafts, recorded: test instrumentation, kept with the plugin's tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "spec-decode" / "tests"))
-from assistant_recording import RecordingDrafter  # noqa: E402
 
 
 def prompts():

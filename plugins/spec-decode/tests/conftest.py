@@ -1,12 +1,6 @@
-import sys
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-
-# Helpers shared by the tests (assistant_recording) are imported by name.
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")

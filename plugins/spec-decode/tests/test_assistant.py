@@ -11,7 +11,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import pytest
-from assistant_recording import RecordingDrafter
 from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -20,6 +19,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm_spec_decode import DraftContext, last_stats, speculative_generate_step
 from mlx_lm_spec_decode import assistant as A
 from mlx_lm_spec_decode import target as target_mod
+from mlx_lm_spec_decode.assistant.recording import RecordingDrafter
 from mlx_lm_spec_decode.training.distill import Target, loss_fn
 
 

@@ -1,12 +1,11 @@
 """``RecordingDrafter``: an assistant drafter that records what it drafts.
 
-Test instrumentation, not part of the product: the tests and
+A check, not a drafter to serve with: the tests and
 ``benchmarks/bench_assistant.py --check`` compare what the loop drafted with
-the training graph. Imported by name: ``conftest.py`` puts this folder on
-``sys.path``.
+the training graph, so both import it from here.
 """
 
-from mlx_lm_spec_decode.assistant import AssistantDrafter
+from .drafter import AssistantDrafter
 
 
 class _StepRecorder:
