@@ -32,7 +32,6 @@ and training compute different things on this backend or dtype).
 """
 
 import argparse
-import importlib
 import json
 import platform
 import statistics
@@ -81,21 +80,6 @@ def prompts():
             "Write a friendly letter to a neighbour inviting them to a garden party.",
         ),
     ]
-
-
-def enable_plugin():
-    """``mlx_lm_ext.enable`` finds installed plugins by entry point; where
-    the packages only sit on PYTHONPATH (the GPU machine), register the
-    module under its name first."""
-    from mlx_lm_ext import PluginError, plugins
-
-    try:
-        mlx_lm_ext.enable("spec-decode")
-    except PluginError:
-        plugins.manager().register(
-            importlib.import_module("mlx_lm_spec_decode.plugin"), name="spec-decode"
-        )
-        mlx_lm_ext.enable("spec-decode")
 
 
 def run(model, tok, prompt, max_tokens, draft=None, k=3):
@@ -285,7 +269,7 @@ def main():
 
     from mlx_lm_ext import models
 
-    enable_plugin()
+    mlx_lm_ext.enable("spec-decode")  # on a GPU machine: scripts/gpu-env.sh registers it
     target_path = args.model or models.build("smollm2-135m-f32", progress=False)
     if args.standin:
         target_path = target_name(args, args.dtype or "float32")

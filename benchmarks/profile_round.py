@@ -172,11 +172,10 @@ def main():
     args = ap.parse_args()
     print_header()
 
-    import bench_assistant
-
+    import mlx_lm_ext
     from mlx_lm_ext import models
 
-    bench_assistant.enable_plugin()
+    mlx_lm_ext.enable("spec-decode")
     path = args.model or models.build("smollm2-135m-f32", progress=False)
     model, tok = load_target(args, args.dtype or "float32") if args.standin else load(str(path))
     if args.dtype:
