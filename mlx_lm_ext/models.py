@@ -310,7 +310,7 @@ def convert_weights(
 
     ``dtype="quantized"`` keeps each GGUF quantized tensor's packed integers
     and widens its float16 scales and biases to float32 (exact; MLX's CPU
-    quantized matmul runs ~50x slower with float16 scales, measured here).
+    quantized matmul is much slower with float16 scales).
     ``dtype="float32"`` dequantizes everything. ``quantization`` is the
     mlx-lm config entry for the quantized layout (default bits plus per-layer
     exceptions), ``None`` for float32.
