@@ -1,6 +1,12 @@
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from mlx_lm import load
+
+# Tests share helpers by importing each other by name (e.g. test_sampling).
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
