@@ -414,7 +414,7 @@ def _table(a, ratios, have_lora):
 
 
 FIGURE_NOTE = (
-    "CPU time, medians, each ratio within one process (pass, forward and step interleaved)"
+    "CPU time, medians, each ratio within one process (pass, forward and step interleaved)."
 )
 
 
