@@ -6,6 +6,7 @@ and ``mlx_lm.server`` take them like downloaded models. ``Server`` runs a real
 ``mlx_lm.server --plugin ssd-cache`` process on 127.0.0.1.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -37,6 +38,43 @@ def tiny(tiny_model):
         return loaded[arch]
 
     return get
+
+
+# ------------------------------------------------------ a write under way
+
+# Holds a temp file open, and so locked, until its stdin closes.
+_HOLDER = """
+import os, sys
+from mlx_lm_ext import safefs
+dfd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+fd = safefs.create_temp(sys.argv[2], dfd)
+os.write(fd, b"half an entry")
+print("writing", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def _write_under_way(path: Path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(path.parent), path.name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "writing\n"
+        yield
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+
+
+@pytest.fixture
+def write_under_way():
+    """``with write_under_way(path):`` another process writes the temp file
+    ``path`` (holding its lock) until the block ends."""
+    return _write_under_way
 
 
 # ------------------------------------------------------------ real servers

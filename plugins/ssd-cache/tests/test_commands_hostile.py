@@ -255,49 +255,15 @@ def test_ls_and_stats_say_when_untagged(tmp_path, world):
         assert r.returncode == 0 and says in r.stdout, r
 
 
-def test_clear_leaves_a_write_a_running_server_holds(tmp_path, world):
+def test_clear_leaves_a_write_a_running_server_holds(tmp_path, world, write_under_way):
     root, victim, own = world
     space = root / FP / "base"
     live = space / f".{'f' * 32}.safetensors.{safefs.HOST}.1.abcd.tmp"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_TEMP, str(space), live.name],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline() == "writing\n"
+    with write_under_way(live):
         r = run("clear", "--dir", str(root), "--yes")
         assert r.returncode == 0, r.stderr
         assert live.exists() and "left 1 unfinished write" in r.stdout
         assert not any(p.exists() for p in own)  # the rest is cleared
-    finally:
-        holder.stdin.close()
-        holder.wait(30)
     r = run("clear", "--dir", str(root), "--yes")  # its writer is gone
     assert r.returncode == 0, r.stderr
     assert not live.exists()
-
-
-# Holds a temp file open, and so locked, until its stdin closes.
-HOLD_TEMP = """
-import os, sys
-from mlx_lm_ext import safefs
-dfd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
-fd = safefs.create_temp(sys.argv[2], dfd)
-os.write(fd, b"half an entry")
-print("writing", flush=True)
-sys.stdin.read()
-"""
-
-
-def test_the_servers_flag_names_the_directory_too(tmp_path, world):
-    root, victim, own = world
-    # an operator copies --ssd-cache-dir from the server's command line
-    r = run("stats", "--ssd-cache-dir", str(root))
-    assert r.returncode == 0, r.stderr
-    assert "2 entries" in r.stdout
-    before = snapshot(tmp_path)
-    r = run("clear", "--ssd-cache-dir", str(root), "--dry-run")
-    assert r.returncode == 0, r.stderr
-    assert f"{FP}/base" in r.stdout and snapshot(tmp_path) == before

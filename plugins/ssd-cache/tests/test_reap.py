@@ -8,9 +8,6 @@ untouched for the grace period, it is reaped.
 """
 
 import os
-import subprocess
-import sys
-import textwrap
 import time
 
 import mlx.core as mx
@@ -18,20 +15,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_ext import safefs
 from mlx_lm_ssd_cache import SSDPromptCache
-
-# Holds a temp file open (and so locked) until its stdin closes: a write
-# under way in another process.
-HOLDER = textwrap.dedent(
-    """
-    import os, sys
-    from mlx_lm_ext import safefs
-    dfd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
-    fd = safefs.create_temp(sys.argv[2], dfd)
-    os.write(fd, b"half an entry")
-    print("writing", flush=True)
-    sys.stdin.read()
-    """
-)
 
 
 def unseen_pid():
@@ -74,23 +57,15 @@ def scan(tmp_path, key, tokens):
     assert cache is not None and rest == [1]  # the entry itself is still found
 
 
-def test_a_write_under_way_in_another_pid_namespace_survives_a_scan(tiny, tmp_path):
+def test_a_write_under_way_in_another_pid_namespace_survives_a_scan(
+    tiny, tmp_path, write_under_way
+):
     space, key, tokens = stored_space(tiny, tmp_path)
     live = space / f".{'a' * 32}.safetensors.{safefs.HOST}.{unseen_pid()}.abcd.tmp"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(space), live.name],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline() == "writing\n"
+    with write_under_way(live):
         age(live, 2 * safefs.REAP_OTHER_HOST)  # even a stalled write is someone's
         scan(tmp_path, key, tokens)
         assert live.exists()
-    finally:
-        holder.stdin.close()
-        holder.wait(30)
     scan(tmp_path, key, tokens)  # its writer is gone: nobody holds the lock
     assert not live.exists()
 
