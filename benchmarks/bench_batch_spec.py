@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_spec_decode import passage, stdlib_function  # noqa: E402
-from common import add_target_args, print_header, target_name, target_path  # noqa: E402
+from common import add_target_args, batch_levels, print_header, target_name, target_path  # noqa: E402
 
 SERVE = (
     "import sys, mlx.core as mx; mx.set_default_device(getattr(mx, sys.argv.pop(1))); "
@@ -209,14 +209,7 @@ def main():
     add_target_args(ap)
     args = ap.parse_args()
     print_header()
-    try:
-        levels = [int(c) for c in args.concurrency.split(",")]
-        assert levels and min(levels) >= 1
-    except (ValueError, AssertionError):
-        ap.error(f"--concurrency: comma-separated positive integers, got {args.concurrency!r}")
-    kinds = args.kinds.split(",")
-    if not set(kinds) <= {"grounded", "open"}:
-        ap.error(f"--kinds: grounded and/or open, got {args.kinds!r}")
+    levels, kinds = batch_levels(ap, args)
 
     model = target_path(args, args.dtype)  # a stand-in is built in --dtype
     if args.dtype != "float32" and not args.standin:

@@ -52,6 +52,20 @@ def add_target_args(p: argparse.ArgumentParser, dtype: bool = False) -> None:
         )
 
 
+def batch_levels(ap: argparse.ArgumentParser, args: argparse.Namespace):
+    """``(concurrency levels, prompt kinds)`` from ``--concurrency`` and ``--kinds``;
+    a bad value is ``ap.error`` (exit 2)."""
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+        assert levels and min(levels) >= 1
+    except (ValueError, AssertionError):
+        ap.error(f"--concurrency: comma-separated positive integers, got {args.concurrency!r}")
+    kinds = args.kinds.split(",")
+    if not set(kinds) <= {"grounded", "open"}:
+        ap.error(f"--kinds: grounded and/or open, got {args.kinds!r}")
+    return levels, kinds
+
+
 def target_name(args: argparse.Namespace, dtype: str = "float32") -> str:
     """How tables name the target, e.g. ``SmolLM2-135M stand-in 10B (bfloat16)``."""
     dtype = getattr(args, "standin_dtype", dtype) if args.standin else dtype

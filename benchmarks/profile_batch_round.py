@@ -37,7 +37,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_batch_spec import OPEN, grounded  # noqa: E402
-from common import add_target_args, load_target, print_header, target_name  # noqa: E402
+from common import add_target_args, batch_levels, load_target, print_header, target_name  # noqa: E402
 
 from mlx_lm_spec_decode import NGramDrafter  # noqa: E402
 from mlx_lm_spec_decode import batch as batch_mod  # noqa: E402
@@ -186,14 +186,7 @@ def main():
     ap.add_argument("--kinds", default="grounded", help="grounded and/or open prompts")
     add_target_args(ap)
     args = ap.parse_args()
-    try:
-        levels = [int(c) for c in args.concurrency.split(",")]
-        assert levels and min(levels) >= 1
-    except (ValueError, AssertionError):
-        ap.error(f"--concurrency: comma-separated positive integers, got {args.concurrency!r}")
-    kinds = args.kinds.split(",")
-    if not kinds or not set(kinds) <= {"grounded", "open"}:
-        ap.error(f"--kinds: grounded and/or open, got {args.kinds!r}")
+    levels, kinds = batch_levels(ap, args)
     mx.set_default_device(getattr(mx, args.device))
     print_header()
     model, tok = load_target(args, args.dtype)
