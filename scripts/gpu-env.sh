@@ -3,11 +3,12 @@
 # WHEELS_DIR holds the staged parts, as scripts/gpu-stage.sh writes them
 # where there is network (see "MLX on NVIDIA GPUs" in docs/gpu.md): MLX's wheels (the CUDA wheel split in
 # mlx_cuda_13.part.*), the SmolLM2 GGUF split in gguf.part.*, and the
-# platformdirs and tqdm wheels. Joins and installs them into /tmp/site once
-# (a second source reuses it), registers the plugins' entry points, and puts
+# platformdirs and tqdm wheels. Joins and installs them into .gpu-site/ of
+# this checkout once (git-ignored; GPU_SITE names another folder; a second
+# source reuses it), registers the plugins' entry points, and puts
 # this source tree on PYTHONPATH. Returns non-zero if a part is missing.
 _w=${1:?usage: source scripts/gpu-env.sh WHEELS_DIR}
-_site=/tmp/site
+_site=${GPU_SITE:-$PWD/.gpu-site}
 if [ ! -f "$_site/.ready" ]; then
   # Files in WHEELS_DIR or one folder below it (scripts/gpu-stage.sh spreads
   # them over numbered folders), in order of their names.
@@ -31,4 +32,4 @@ if [ ! -f "$_site/.ready" ]; then
 fi
 export PYTHONPATH=$_site:$PWD:$PWD/plugins/spec-decode:$PWD/plugins/ssd-cache:$PWD/plugins/flash-cce
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export MLX_LM_EXT_CACHE=${MLX_LM_EXT_CACHE:-/tmp/mlx-lm-ext-cache}
+export MLX_LM_EXT_CACHE=${MLX_LM_EXT_CACHE:-$PWD/.gpu-cache}
