@@ -155,7 +155,7 @@ def _links_at(fd: int) -> int:
 
 def _report_links(n: int) -> None:
     if n:
-        print(f"skipped {n} symbolic link{'s' * (n != 1)} inside (not followed, not removed)")
+        print(f"skipped {counted(n, 'symbolic link')} inside (not followed, not removed)")
 
 
 def _model_of(root, fp: str) -> str:
@@ -186,6 +186,16 @@ def _gb(nbytes: int) -> str:
 
 
 # ------------------------------------------------------------------- totals
+
+
+def counted(n: int, one: str, many: str = "") -> str:
+    """``counted(1, "entry", "entries")`` is ``"1 entry"``; ``many`` defaults to ``one + "s"``."""
+    return f"{n} {one}" if n == 1 else f"{n} {many or one + 's'}"
+
+
+def entries(n: int) -> str:
+    """``"1 entry"``, ``"2 entries"``: the count the tier's logs and commands print."""
+    return counted(n, "entry", "entries")
 
 
 def totals(root: Union[str, os.PathLike]) -> Tuple[int, int]:
@@ -220,7 +230,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         rows.append((fp, ns, _model_of(root, fp), n, f"{nbytes / 1e6:.1f}", rejected, tmp))
         all_n, all_bytes = all_n + n, all_bytes + nbytes
     _note(root, kind)
-    print(f"{root}: {all_n} entries, {_gb(all_bytes)}")
+    print(f"{root}: {entries(all_n)}, {_gb(all_bytes)}")
     if len(rows) > 1:
         _table(rows)
     _report_links(_links(root))
@@ -284,7 +294,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     else:
         print(f"{root}: no entries")
     if tmp:
-        print(f"{tmp} unfinished write{'s' * (tmp != 1)} (.tmp)")
+        print(f"{counted(tmp, 'unfinished write')} (.tmp)")
     _report_links(_links(root))
     return 0
 
@@ -321,13 +331,15 @@ def _show_plan(root: Path, plan) -> Tuple[int, int]:
     if n:
         print(f"{root}: would delete")
         _table(rows)
-        print(f"total: {n} files, {_gb(nbytes)}")
+        print(f"total: {counted(n, 'file')}, {_gb(nbytes)}")
     return n, nbytes
 
 
 def _confirm(n: int, nbytes: int) -> bool:
     # The question goes to stderr (as rm -i does) so that stdout stays the listing.
-    print(f"Delete {n} files ({_gb(nbytes)})? [y/N] ", end="", file=sys.stderr, flush=True)
+    print(
+        f"Delete {counted(n, 'file')} ({_gb(nbytes)})? [y/N] ", end="", file=sys.stderr, flush=True
+    )
     try:
         answer = sys.stdin.readline()
     except (KeyboardInterrupt, EOFError):
@@ -398,5 +410,5 @@ def cmd_clear(args: argparse.Namespace) -> int:
             print("nothing deleted")
             return 1
     removed, removed_bytes, failed = _delete(root, plan)
-    print(f"removed {removed} files, {_gb(removed_bytes)} from {root}")
+    print(f"removed {counted(removed, 'file')}, {_gb(removed_bytes)} from {root}")
     return 1 if failed else 0

@@ -207,7 +207,7 @@ def doctor() -> List[Tuple[str, str]]:
 
     directory = default_dir()
     n, nbytes = ops.totals(Path(directory))
-    return [("default dir", f"{directory} ({n} entries, {nbytes / 1e9:.2f} GB)")]
+    return [("default dir", f"{directory} ({ops.entries(n)}, {nbytes / 1e9:.2f} GB)")]
 
 
 @hookimpl
@@ -216,10 +216,12 @@ def report_lines(command: str, source: Any) -> Optional[List[str]]:
     stats = getattr(source, "disk_stats", None)
     if command != "server" or not callable(stats):
         return None
+    from .commands import entries
+
     s = stats()
     avg = s["restore_s"] / s["hits"] if s["hits"] else 0.0
     return [
-        f"- disk: {s['entries']} entries, {s['bytes'] / 1e9:.2f} GB, "
+        f"- disk: {entries(s['entries'])}, {s['bytes'] / 1e9:.2f} GB, "
         f"{s['hits']} hits / {s['lookups']} lookups, "
         f"{s['restored_tokens']} tokens restored in {s['restore_s']:.2f} s "
         f"(avg {avg:.3f} s), {s['pending']} writes pending"

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from mlx_lm_ext import safefs
 
 from . import eviction, fileformat, identity, layout
+from .commands import entries
 from .index import Entry, PrefixIndex
 from .store import Space, Store, entry_name, error_kind, log, on_disk
 
@@ -53,9 +54,8 @@ def _identify(store, model_key, identify, block):
                 break
         else:
             scan(store, space)
-        log.info(
-            "ssd-cache: %s -> %s (%d entries on disk)", info.get("model"), path, len(space.index)
-        )
+        n = entries(len(space.index))
+        log.info("ssd-cache: %s -> %s (%s on disk)", info.get("model"), path, n)
         return space
     except identity.Unidentifiable as e:
         store.warn(f"unidentifiable:{model_key!r}", f"no disk tier for {e}")

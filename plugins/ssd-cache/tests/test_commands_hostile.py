@@ -246,8 +246,8 @@ def test_ls_and_stats_say_when_untagged(tmp_path, world):
     link = tmp_path / "link"
     link.symlink_to(root, target_is_directory=True)
     for d, says, entries in (
-        (lookalike, "not a tagged", "1 entries"),
-        (link, "symbolic link", "0 entries"),
+        (lookalike, "not a tagged", "1 entry,"),
+        (link, "symbolic link", "0 entries,"),
     ):
         r = run("stats", "--dir", str(d))
         assert r.returncode == 0 and says in r.stdout and entries in r.stdout, r

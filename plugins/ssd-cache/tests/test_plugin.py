@@ -1,6 +1,7 @@
 """The plugin's hooks, flags and operator commands."""
 
 import argparse
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,31 @@ def test_report_line_of_the_disk_tier(tmp_path):
     assert plugin.report_lines("server", object()) is None
     assert plugin.report_lines("generate", cache) is None
     cache.close()
+
+
+def test_one_entry_is_counted_in_the_singular(tmp_path, tiny, caplog):
+    model, _, path = tiny("llama")
+    d = tmp_path / "cache"
+    c = SSDPromptCache(10, directory=d)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([1] * 40)[None], cache=cache), [x.state for x in cache])
+    c.insert_cache(str(path), [1] * 40, cache)
+    c.flush(30)
+    (line,) = plugin.report_lines("server", c)
+    assert line.startswith("- disk: 1 entry, "), line
+    c.close(30)
+    again = SSDPromptCache(10, directory=d)
+    with caplog.at_level(logging.INFO, logger="mlx_lm_ssd_cache"):
+        again.fetch_nearest_cache(str(path), [1] * 41)  # identifies and scans the directory
+    assert "(1 entry on disk)" in caplog.text, caplog.text
+    again.close()
+    r = subprocess.run(
+        [str(BIN / "mlx-lm-ext"), "ssd-cache", "stats", "--dir", str(d)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert f"{d}: 1 entry, " in r.stdout, r.stdout + r.stderr
 
 
 def test_make_prompt_cache_uses_flags(tmp_path, tiny_model):
@@ -169,7 +195,7 @@ def test_operator_commands(tmp_path, tiny):
     fp = next(p.name for p in d.iterdir() if p.is_dir() and p.name != "0000000000000000")
     assert "removed 2 files" in run("clear", "--fingerprint", fp[:6], "--yes")
     assert junk.exists() and not (d / fp).exists()
-    assert "removed 1 files" in run("clear", "--yes")
+    assert "removed 1 file," in run("clear", "--yes")
     assert "0 entries" in run("stats")
 
 
