@@ -96,7 +96,8 @@ class Recorder:
             return out
 
         def _round(self_, pending, drafts, *a):
-            rec.kind = f"round W={1 + max(len(d) for d in drafts)}"
+            w = 1 + max(len(d) for d in drafts)
+            rec.kind = f"round W={batch_mod.target_mod.padded_width(w, self_.spec.widths)}"
             rec.t_check, w0 = 0.0, rec.t_wait
             t = time.perf_counter()
             out = rec.saved["_round"](self_, pending, drafts, *a)
@@ -140,27 +141,100 @@ def sync_forward(model, prompt, B, W, repeats):
     return statistics.median(times[2:])
 
 
-def run(model, tok, C, max_tokens, tree, kind="grounded"):
+def probe(model, prompt, B, widths, repeats=10):
+    """Where a round's forward loses time against a warm synchronous forward:
+    per width W, the median ms of a ``[B, W]`` forward read back (``warm``: the
+    same shape again and again on a batch cache; ``ragged``: through the
+    round's cache with holes and its attention; ``after step``: each right
+    after a ``[B, 1]`` step, as rounds follow plain steps; ``mixed``: the
+    widths in turn, each after a step, as an adaptive draft length runs)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlx_lm_spec_decode import ragged as ragged_mod
+    from mlx_lm_spec_decode import target as target_mod
+
+    def fresh(holes):
+        caches = [BatchKVCache([0] * B) for _ in model.layers]
+        mx.eval(model(mx.array([prompt] * B, mx.uint32), cache=caches))
+        if not holes:
+            return caches
+        caches = ragged_mod.ragged(caches)
+        model(mx.array([[prompt[-1]] * 4] * B, mx.uint32), cache=caches)
+        mx.eval([c.state for c in caches])
+        ragged_mod.rollback(caches, [1 + (i % 3) for i in range(B)])
+        return caches
+
+    def fwd(caches, W, policy=None):
+        x = mx.array([[prompt[-1]] * W] * B, mx.uint32)
+        t = time.perf_counter()
+        with target_mod.verify_attention(model, W, policy or "explicit"):
+            mx.argmax(model(x, cache=caches), axis=-1).tolist()
+        dt = time.perf_counter() - t
+        for c in caches:
+            c.trim(W)
+        return dt
+
+    def step(caches):
+        fwd(caches, 1)
+
+    rows = {}
+    for name, holes, before in (
+        ("warm", False, False),
+        ("ragged", True, False),
+        ("after step", False, True),
+        ("ragged after step", True, True),
+    ):
+        for W in widths:
+            caches = fresh(holes)
+            ts = []
+            for _ in range(repeats + 2):
+                if before:
+                    step(caches)
+                ts.append(fwd(caches, W))
+            rows.setdefault(name, {})[W] = statistics.median(ts[2:])
+    caches = fresh(False)
+    mixed = {W: [] for W in widths}
+    for _ in range(repeats + 1):
+        for W in widths:
+            step(caches)
+            mixed[W].append(fwd(caches, W))
+    rows["mixed after step"] = {W: statistics.median(ts[1:]) for W, ts in mixed.items()}
+    print(f"\n## forward probe B={B}: median ms over {repeats}")
+    print("| forward | " + " | ".join(f"W={W}" for W in widths) + " |")
+    print("|---|" + "---|" * len(widths))
+    for name, by in rows.items():
+        print(f"| {name} | " + " | ".join(f"{1e3 * by[W]:.2f}" for W in widths) + " |")
+
+
+def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1):
+    """Stock and ours in turn, ``repeats`` times (ours on one generator, as a
+    server keeps one: what its controller learnt carries over); the ratio of
+    the medians, and each turn's."""
     pool = grounded() if kind == "grounded" else OPEN
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
         for p in pool[:C]
     ]
     decode(BatchGenerator(model), prompts, 8)  # warm up
-    stock, stock_calls = decode(BatchGenerator(model), prompts, max_tokens)
     drafter = NGramDrafter(tree=tree)
     decode(batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft), prompts, 32)
+    gen = batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft)
     rec = Recorder()
+    s_rates, o_rates, stock_calls, same = [], [], [], True
     try:
-        gen = batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft)
-        ours, our_calls = decode(gen, prompts, max_tokens)
+        for _ in range(repeats):
+            stock, calls = decode(BatchGenerator(model), prompts, max_tokens)
+            stock_calls += calls
+            s_rates.append(sum(len(t) for t in stock) / sum(calls))
+            ours, our_calls = decode(gen, prompts, max_tokens)
+            o_rates.append(sum(len(t) for t in ours) / sum(our_calls))
+            same = same and ours == stock
     finally:
         rec.restore()
-    n = sum(len(t) for t in stock)
-    s_tps = n / sum(stock_calls)
-    o_tps = sum(len(t) for t in ours) / sum(our_calls)
+    s_tps, o_tps = statistics.median(s_rates), statistics.median(o_rates)
+    turns = ", ".join(f"{o / s:.2f}x" for s, o in zip(s_rates, o_rates, strict=True))
     print(f"\n## {kind} C={C}: stock {s_tps:.1f} tok/s, ours {o_tps:.1f} tok/s, {o_tps / s_tps:.2f}x, "
-          f"same={'yes' if ours == stock else 'no'}")  # fmt: skip
+          f"same={'yes' if same else 'no'} (turns: {turns})")  # fmt: skip
     by = {"stock plain step": stock_calls}
     for kind, t in rec.kinds:
         by.setdefault("ours " + kind, []).append(t)
@@ -184,6 +258,14 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--draft-tree", choices=["auto", "off"], default="auto")
     ap.add_argument("--kinds", default="grounded", help="grounded and/or open prompts")
+    ap.add_argument("--repeats", type=int, default=1, help="turns of stock and ours per cell")
+    ap.add_argument(
+        "--probe",
+        default="",
+        metavar="WIDTHS",
+        help="instead of decoding, time forwards of these widths (e.g. 1,4,8,11) "
+        "in the ways a round runs them",
+    )
     add_target_args(ap)
     args = ap.parse_args()
     levels, kinds = batch_levels(ap, args)
@@ -194,9 +276,16 @@ def main():
         f"# {target_name(args, args.dtype)} on {args.device}, {args.max_tokens} tokens, "
         f"--draft-tree {args.draft_tree}"
     )
+    if args.probe:
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": grounded()[0]}], add_generation_prompt=True
+        )
+        for C in levels:
+            probe(model, prompt, C, [int(w) for w in args.probe.split(",")])
+        return
     for kind in kinds:
         for C in levels:
-            run(model, tok, C, args.max_tokens, args.draft_tree != "off", kind)
+            run(model, tok, C, args.max_tokens, args.draft_tree != "off", kind, args.repeats)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,8 @@ class SpecState:
             adaptive=getattr(drafter, "adaptive", True),
             auto_off=getattr(drafter, "auto_off", True),
         )
+        self.widths = target_mod.window_widths()  # windows padded up to these
+        self.ctl.widths = self.widths
         self.gamma_start = self.ctl.gamma
         self.stats: Dict[int, stats_mod.SpecStats] = {}
         self.no_draft: Optional[str] = None  # why the whole batch decodes plainly
@@ -446,7 +448,7 @@ class SpecGenerationBatch(GenerationBatch):
         """Each row's window (pending token, drafts or tree nodes, padding to
         the widest), its parents (a chain: i - 1) and its size before padding."""
         B = len(drafts)
-        W = 1 + max(len(d) for d in drafts)
+        W = target_mod.padded_width(1 + max(len(d) for d in drafts), self.spec.widths)
         windows, parents, sizes = [], [], []
         trees_pay = any(t is not None for t in trees) and self.spec.ctl.trees_pay(B)
         for i, d in enumerate(drafts):

@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from . import sampling
+from . import target as target_mod
 
 
 def verify(
@@ -154,6 +155,7 @@ class BatchController:
         self.clean: Dict[int, deque] = {}  # B -> plain steps timed far from any round
         self.lost: Dict[int, int] = {}  # B -> retries in a row that lost
         self.retried: Dict[int, bool] = {}  # B -> its last round was a retry
+        self.widths: tuple = ()  # the widths windows are padded up to (``target.window_widths``)
 
     def needs_plain(self, B: int) -> bool:
         """Whether plain steps at this batch size must be timed before deciding."""
@@ -323,7 +325,8 @@ class BatchController:
             tokens = sum(
                 expected_tokens(a, min(g, n)) for a, n in zip(alphas, proposed, strict=True)
             )
-            rate = tokens / (p + extra + b * g)
+            # A window is padded up to the next of ``widths``: its columns all cost.
+            rate = tokens / (p + extra + b * (target_mod.padded_width(g + 1, self.widths) - 1))
             if rate > best_rate:
                 best, best_rate = g, rate
         losing = bool(best) and self.losing(B, plain_rate)

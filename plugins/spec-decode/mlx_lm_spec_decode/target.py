@@ -33,6 +33,7 @@ def split(model: Any) -> Optional[Tuple[Callable, Callable]]:
 EXPLICIT_MAX_QUERIES = 16
 POLICIES = ("auto", "fused", "explicit", "padded")
 AUTO_CUDA = "padded"
+GPU_WIDTHS = (4, 8, 12, 16)
 
 
 def attention_policy() -> str:
@@ -44,6 +45,38 @@ def attention_policy() -> str:
         on_cuda = cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
         return AUTO_CUDA if on_cuda else "fused"
     return how
+
+
+def _on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
+def window_widths() -> tuple:
+    """The widths a batched verify window is padded up to (empty: its own).
+
+    A GPU runs each shape it meets through its own kernels and executable
+    graphs, and an adaptive draft length meets up to fifteen widths; padded
+    to a few, rounds reuse what earlier rounds built. A memory-bound forward
+    costs about the same at 4 and 16 tokens, so the padding is nearly free
+    there; on a CPU each column costs compute, so windows keep their width.
+    MLX_LM_SPEC_WIDTHS (comma-separated, or ``off``) overrides."""
+    how = os.environ.get("MLX_LM_SPEC_WIDTHS", "auto").strip().lower() or "auto"
+    if how == "auto":
+        return GPU_WIDTHS if _on_gpu() else ()
+    if how == "off":
+        return ()
+    try:
+        widths = tuple(sorted(int(w) for w in how.split(",")))
+    except ValueError:
+        widths = ()
+    if not widths or widths[0] < 2:
+        raise ValueError(f"MLX_LM_SPEC_WIDTHS: widths of 2 or more, 'off' or 'auto'; got {how!r}")
+    return widths
+
+
+def padded_width(width: int, widths: tuple) -> int:
+    """``width`` rounded up to the next of ``widths`` (itself past the largest)."""
+    return next((w for w in widths if w >= width), width)
 
 
 def explicit_attention(
