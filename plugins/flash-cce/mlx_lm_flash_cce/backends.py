@@ -10,7 +10,7 @@ None). A path never hands a call it refuses to another: choosing is
 ``selection.select``'s job, the only reader of this registry.
 """
 
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -86,13 +86,30 @@ def mlx_blocks_per_token(
 ) -> mx.array:
     """Path ``mlx-blocks``: ``cuda_gemm``'s one pass with its compiled MLX step (no kernel).
 
-    8192 x 32768 blocks unless the caller sets ``vocab_chunk``;
-    ``opts.elementwise="mlx-f32"`` takes the float32 variant of the step.
+    Blocks as ``mlx_blocks_options`` sets them; ``opts.elementwise="mlx-f32"``
+    takes the float32 variant of the step.
     """
-    if not opts.vocab_chunk:
-        opts = opts._replace(token_chunk=GPU_TOKEN_CHUNK, vocab_chunk=GPU_VOCAB_CHUNK)
+    opts = mlx_blocks_options(opts)
     step = "mlx-f32" if opts.elementwise == "mlx-f32" else "mlx"
     return cuda_gemm.per_token(head, hidden, targets, opts._replace(elementwise=step), train)
+
+
+def mlx_blocks_options(opts: portable.Options) -> portable.Options:
+    """``opts`` as path ``mlx-blocks`` runs them: 8192 x 32768 blocks unless ``vocab_chunk`` is set."""
+    if opts.vocab_chunk:
+        return opts
+    return opts._replace(token_chunk=GPU_TOKEN_CHUNK, vocab_chunk=GPU_VOCAB_CHUNK)
+
+
+def blocks(path: Path, opts: portable.Options, n_tok: int, vocab: int) -> Tuple[int, int]:
+    """``(token_chunk, vocab_chunk)``: the blocks flash ``path`` runs ``n_tok`` tokens in."""
+    if path is Path.MLX:
+        return portable.vocab_chunk_for(opts, n_tok, vocab)
+    if path is Path.MLX_BLOCKS:
+        opts = mlx_blocks_options(opts)
+    if path in (Path.MLX_BLOCKS, Path.CUDA_GEMM):
+        return cuda_gemm.blocks(opts, n_tok, vocab)
+    raise ValueError(f"path {path.value!r} does not work in blocks")
 
 
 def cuda_gemm_per_token(

@@ -159,7 +159,7 @@ def make_loss(
 
 def _report(name, hidden, head, targets, options):
     """One line on what the stock loss would have held for this batch."""
-    from . import heads, portable
+    from . import heads
 
     try:
         spec = heads.as_head(head)
@@ -170,34 +170,32 @@ def _report(name, hidden, head, targets, options):
         return
     n_tok = targets.size
     logit_bytes = n_tok * vocab * hidden.dtype.size
-    opts = portable.Options(**{k: v for k, v in options.items() if k in portable.Options._fields})
-    nc, vc = portable.vocab_chunk_for(opts, n_tok, vocab)
-    how = f"works in [{nc}, {vc}] float32 blocks ({nc * vc * 4 / 2**20:.1f} MiB each)"
-    backend = options.get("backend", "auto")
-    if backend == "auto" and options.get("impl", "auto") in ("auto", "flash"):
-        how = (
-            "runs the fastest path within the memory budget (the 'flash-cce auto' line says which)"
-        )
-    elif backend == "cuda":
-        from . import cuda
-
-        plan = cuda.plan(head, hidden.reshape(-1, hidden.shape[-1]))
-        how = (
-            "runs fused CUDA kernels"
-            if plan == "cuda"
-            else f"runs the pure-MLX path ({plan}) in [{nc}, {vc}] blocks"
-        )
-    elif backend == "cuda-gemm" or backend == "mlx" and mx.default_device() == mx.gpu:
-        from . import backends, cuda_gemm
-
-        if backend == "mlx" and not opts.vocab_chunk:
-            opts = opts._replace(
-                token_chunk=backends.GPU_TOKEN_CHUNK, vocab_chunk=backends.GPU_VOCAB_CHUNK
-            )
-        nc, vc = cuda_gemm.blocks(opts, n_tok, vocab)
-        how = f"runs one pass in [{nc}, {vc}] blocks ({backend} backend)"
     log.info(
         f"flash-cce: batch of {n_tok} tokens x {vocab} vocab: the stock loss holds "
         f"[{n_tok}, {vocab}] logits and their gradient ({2 * logit_bytes / 2**20:.0f} MiB and up); "
-        f"flash-cce {how}"
+        f"flash-cce {_how(options, n_tok, vocab)}"
     )
+
+
+def _how(options, n_tok, vocab):
+    """What the requested path does with the batch, in the blocks that path itself picks."""
+    from . import backends, portable, selection
+    from .candidate import Path
+
+    req = selection.request(
+        options.get("impl", "auto"), options.get("backend", "auto"), options.get("elementwise")
+    )
+    if req.impl in ("stock", "chunked"):
+        return f"runs its {req.impl!r} path, as asked"
+    if req.backend == "auto":
+        return (
+            "runs the fastest path within the memory budget (the 'flash-cce auto' line says which)"
+        )
+    path = Path(req.backend)
+    if path is Path.CUDA:
+        return "runs fused CUDA kernels (cuda backend)"
+    opts = portable.Options(**{k: v for k, v in options.items() if k in portable.Options._fields})
+    nc, vc = backends.blocks(path, opts, n_tok, vocab)
+    if path is Path.MLX:  # its block logits are float32 on every device
+        return f"works in [{nc}, {vc}] float32 blocks ({nc * vc * 4 / 2**20:.1f} MiB each)"
+    return f"runs one pass in [{nc}, {vc}] blocks ({path.value} backend)"

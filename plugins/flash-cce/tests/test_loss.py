@@ -148,6 +148,34 @@ def test_mismatch_falls_back_to_stock_loss_with_warning(caplog, monkeypatch):
     assert loss(model, batch, lengths)[0].item() == default_loss(model, batch, lengths)[0].item()
 
 
+# (device the report sees, options, the blocks that path runs 9000 tokens x 40000 vocab in)
+REPORTED_BLOCKS = [
+    (mx.cpu, {"backend": "mlx"}, "works in [256, 1024] float32 blocks (1.0 MiB each)"),
+    # The pure-MLX path picks its blocks the same way on a GPU (mlx-blocks runs big ones).
+    (mx.gpu, {"backend": "mlx"}, "works in [256, 1024] float32 blocks (1.0 MiB each)"),
+    (mx.cpu, {"backend": "mlx-blocks"}, "runs one pass in [8192, 32768] blocks (mlx-blocks"),
+    (mx.gpu, {"backend": "mlx-blocks"}, "runs one pass in [8192, 32768] blocks (mlx-blocks"),
+    (
+        mx.cpu,
+        {"backend": "mlx-blocks", "token_chunk": 512, "vocab_chunk": 4096},
+        "runs one pass in [512, 4096] blocks (mlx-blocks",
+    ),
+    (mx.cpu, {"impl": "chunked"}, "runs its 'chunked' path"),
+]
+
+
+@pytest.mark.parametrize("device,options,says", REPORTED_BLOCKS)
+def test_batch_report_states_the_blocks_the_path_runs(caplog, monkeypatch, device, options, says):
+    # The report only reads the device: no array is computed while it is faked.
+    monkeypatch.setattr(mx, "default_device", lambda: device)
+    hidden = mx.zeros((1, 9000, 16))
+    head = nn.Linear(16, 40000, bias=False)
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        cce_loss._report("llama", hidden, head, mx.zeros((1, 9000), dtype=mx.int32), options)
+    assert "batch of 9000 tokens x 40000 vocab" in caplog.text
+    assert says in caplog.text, caplog.text
+
+
 def test_unknown_architecture_uses_generic_rule(monkeypatch):
     model = _extra_model("qwen2")
     monkeypatch.delitem(cce_loss.ARCHS, "qwen2")
