@@ -50,6 +50,7 @@ class DiskTier:
         max_bytes: int,
         *,
         verify: bool = True,
+        writable: bool = True,
         settings: dict | None = None,
         block: int = 32,
         max_pending_bytes: int = 4 << 30,
@@ -64,7 +65,9 @@ class DiskTier:
         model key (None: not known here); ``extra_classes()`` the plugin cache
         classes that may ride after the model's caches. ``verify``: check
         every restored file's tensor CRC32s (off: restores are unchecked, and
-        caches extending them are not stored).
+        caches extending them are not stored). ``writable=False``: a directory
+        that cannot be written (the plugin checks at start-up): entries are
+        restored, nothing is stored or touched.
         """
         self.store = Store(
             root=Path(directory).expanduser(),
@@ -73,6 +76,7 @@ class DiskTier:
             live_models=live_models or (lambda key: None),
         )
         self.verify = verify
+        self.writable = writable
         # (fingerprint, namespace) -> {length: digests}: token prefixes restored
         # without a CRC check; a cache whose tokens extend one is not stored.
         self._unchecked: dict[tuple, dict[int, set]] = {}
@@ -173,7 +177,7 @@ class DiskTier:
             if slot < len(RESTORE_BUCKETS):
                 c["restore_buckets"][slot] += 1
             match.entry.recency = time.time()
-        if on_disk(match.entry):
+        if on_disk(match.entry) and self.writable:
             self._writer.submit(writer.touch, self.store, space, match.entry)
         log.info("ssd-cache: restored %d tokens from disk in %.3f s", match.length, dt)
 
@@ -207,7 +211,7 @@ class DiskTier:
             self.store.warn("put", f"cannot store a prompt cache: {e!r}")
 
     def _put(self, model_key, tokens, prompt_cache, cache_type, touch):
-        if self._writer.closed or not len(tokens):
+        if self._writer.closed or not self.writable or not len(tokens):
             return
         space = self._space(model_key)
         if space is None:
@@ -308,6 +312,7 @@ class DiskTier:
             out["bytes"] = sum(e.nbytes for e in stored)
             out["pending"] = sum(s.pending for s in self.store.live_spaces())
             out["pending_bytes"] = self.store.pending_bytes
+        out["writable"] = self.writable
         return out
 
 

@@ -31,13 +31,19 @@ COUNTERS = (
 CHARTS = [("Disk hit rate (ssd-cache)", P + "hits_total", P + "lookups_total")]
 
 
-def families(prompt_cache: Any) -> Optional[List[Metric]]:
-    """The tier's series, or None when the server's cache has no disk tier."""
+def families(prompt_cache: Any, options: Any = None) -> Optional[List[Metric]]:
+    """The tier's series; only its state when the server's cache has no disk tier.
+
+    ``options``: what the plugin's ``activate`` returned (its start-up check
+    of the directory), None when unknown.
+    """
     stats = getattr(prompt_cache, "disk_stats", None)
+    state = tier_state(options)
     if not callable(stats):
-        return None
+        return None if state is None else [state]
     s = stats()
-    out = [
+    out = [state] if state is not None else []
+    out += [
         gauge(P + "disk_entries", "Entries on disk", {(): s["entries"]}),
         gauge(P + "disk_bytes", "Bytes of entries on disk", {(): s["bytes"]}),
         gauge(
@@ -48,6 +54,17 @@ def families(prompt_cache: Any) -> Optional[List[Metric]]:
     out += [counter(P + name, doc, {(): s[key]}) for key, name, doc in COUNTERS]
     out.append(restore_histogram(s))
     return out
+
+
+def tier_state(options: Any) -> Optional[Metric]:
+    """``disk_tier{state="on"|"read-only"|"off"}`` 1, with the start-up check's reason."""
+    tier = options.get("tier") if isinstance(options, dict) else None
+    if tier is None:
+        return None
+    reason = str(options.get("tier_reason") or "")
+    labels, key = (("state", "reason"), (tier, reason)) if reason else (("state",), (tier,))
+    doc = "Disk tier state (on; read-only: restores only; off), with why it is not on"
+    return gauge(P + "disk_tier", doc, {key: 1}, labels)
 
 
 def restore_histogram(s: dict) -> Metric:

@@ -1,7 +1,9 @@
 """The ssd-cache plugin's hooks (entry point ``ssd-cache``)."""
 
 import argparse
+import errno
 import logging
+import os
 import re
 import weakref
 from pathlib import Path
@@ -113,22 +115,62 @@ def activate(command: str, args: argparse.Namespace) -> Dict[str, Any]:
             f"ssd-cache does not support distributed serving (world size {size}): "
             "every rank would have to make the same restore decisions"
         )
-    _claim(directory)
-    return {"directory": directory, "max_bytes": cap, "verify": verify}
+    tier, reason = _claim(directory)
+    return {
+        "directory": directory,
+        "max_bytes": cap,
+        "verify": verify,
+        "tier": tier,
+        "tier_reason": reason,
+    }
 
 
 def _claim(directory):
-    """Create and tag the cache directory; refuse one that holds other files."""
+    """Create and tag the cache directory, and check that a file can be written in it.
+
+    ``(tier, reason)``: ``("on", "")``; ``("read-only", why)`` for a cache
+    directory that can be read but not written (its entries are still
+    restored, nothing is stored); ``("off", why)`` when there is no cache
+    directory to read either (the server keeps mlx-lm's memory cache alone).
+    Refuses (``PluginError``) a directory that holds other files.
+    """
     from mlx_lm_ext import safefs
 
     try:
         safefs.make_root(directory)
+        _probe_write(directory)
     except safefs.NotACache as e:
         raise PluginError(f"--ssd-cache-dir: {e}") from None
-    except OSError as e:  # read-only or full: the tier degrades to misses and skips
+    except OSError as e:  # read-only, full, no permission: never fatal
+        tier = "read-only" if safefs.has_tag(directory) else "off"
+        what = "restores only, nothing is stored" if tier == "read-only" else "the disk tier is off"
         logging.getLogger("mlx_lm_ssd_cache").warning(
-            "ssd-cache: cannot prepare %s: %s", directory, e
+            "ssd-cache: cannot write to %s: %s; %s", directory, _os_error(e), what
         )
+        return tier, _os_error(e)
+    return "on", ""
+
+
+def _probe_write(directory):
+    """Create, write, sync and remove one temp file in ``directory`` (``OSError`` if not)."""
+    from mlx_lm_ext import safefs
+
+    with safefs.open_dir(directory) as dfd:
+        name = safefs.temp_name("write-check")
+        fd = safefs.create_temp(name, dfd)
+        try:
+            os.write(fd, b"ssd-cache write check\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name, dir_fd=dfd)
+
+
+def _os_error(e):
+    """``Permission denied (EACCES)``: the error without its file (the warning names the path)."""
+    if not e.strerror:
+        return str(e)
+    return f"{e.strerror} ({errno.errorcode.get(e.errno, e.errno)})"
 
 
 @hookimpl
@@ -171,6 +213,9 @@ def make_prompt_cache(
     from .cache import SSDPromptCache
 
     directory, cap, verify = options["directory"], options["max_bytes"], options["verify"]
+    tier = options.get("tier", "on")
+    if tier == "off":
+        return None  # mlx-lm's own cache; the warning was logged at start-up
     settings = {
         k: getattr(args, k, None) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")
     }
@@ -180,6 +225,7 @@ def make_prompt_cache(
         directory=directory,
         disk_bytes=cap,
         verify=verify,
+        writable=tier == "on",
         settings=settings,
         live_models=live_models,
         extra_classes=_extra_classes,
@@ -225,15 +271,16 @@ def report_lines(command: str, source: Any) -> Optional[List[str]]:
         f"{s['hits']} hits / {s['lookups']} lookups, "
         f"{s['restored_tokens']} tokens restored in {s['restore_s']:.2f} s "
         f"(avg {avg:.3f} s), {s['pending']} writes pending"
+        + ("" if s.get("writable", True) else ", read-only (nothing is stored)")
     ]
 
 
 @hookimpl
-def metrics(prompt_cache: Any) -> Optional[List[Any]]:
+def metrics(prompt_cache: Any, options: Any) -> Optional[List[Any]]:
     """The disk tier's series for the server's /metrics and /status."""
     from . import metrics as series
 
-    return series.families(prompt_cache)
+    return series.families(prompt_cache, options)
 
 
 @hookimpl

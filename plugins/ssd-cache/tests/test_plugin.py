@@ -8,7 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from mlx_lm_ext import PluginError
 from mlx_lm_ssd_cache import SSDPromptCache, plugin
@@ -105,6 +105,129 @@ def test_one_entry_is_counted_in_the_singular(tmp_path, tiny, caplog):
         timeout=120,
     )
     assert f"{d}: 1 entry, " in r.stdout, r.stdout + r.stderr
+
+
+# ------------------------------------------- a directory that cannot be written
+
+STORED, OTHER = [3] * 40, [4] * 48
+
+
+def _stored_once(model, path, d):
+    """One entry in ``d``, stored as a server on ``path`` stores it."""
+    args = parsed("--model", str(path), "--ssd-cache-dir", str(d))
+    c = plugin.make_prompt_cache(args, plugin.activate("server", args), 10, 1 << 63)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(STORED)[None], cache=cache), [x.state for x in cache])
+    c.insert_cache((str(path), None, None), STORED, cache)
+    assert c.close(30) and c.disk_stats()["entries"] == 1
+    plugin.deactivate()
+
+
+def _files(d):
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+def _tier(cache, opts):
+    """The disk tier's state as ``/metrics`` and ``/status`` show it: ``[(labels, value)]``."""
+    (fam,) = [f for f in plugin.metrics(cache, opts) if f.name == "mlx_lm_ssd_cache_disk_tier"]
+    return [(s.labels, s.value) for s in fam.samples]
+
+
+def _start(path, d, caplog):
+    """``(args, activate's options, the one warning it logged)``."""
+    caplog.clear()
+    args = parsed("--model", str(path), "--ssd-cache-dir", str(d))
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_ssd_cache"):
+        opts = plugin.activate("server", args)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    return args, opts, warning
+
+
+def check_unwritable(model, path, d, error, caplog):
+    """``d``, holding one entry, and everything in it can no longer be written."""
+    key = (str(path), None, None)
+    before = _files(d)
+    args, opts, warning = _start(path, d, caplog)
+    assert warning == f"ssd-cache: cannot write to {d}: {error}; restores only, nothing is stored"
+    cache = plugin.make_prompt_cache(args, opts, 10, 1 << 63)
+    try:
+        restored, rest = cache.fetch_nearest_cache(key, STORED + [7])
+        assert restored is not None and rest == [7]  # the entry on disk still serves
+        new = make_prompt_cache(model)
+        mx.eval(model(mx.array(OTHER)[None], cache=new), [x.state for x in new])
+        cache.insert_cache(key, OTHER, new)
+        assert cache.flush(30)
+        assert cache.disk_stats()["failures"] == 0 and _files(d) == before  # none attempted
+        assert cache.fetch_nearest_cache(key, OTHER + [7])[1] == [7]  # memory serves it
+        (line,) = plugin.report_lines("server", cache)
+        assert line.endswith(", read-only (nothing is stored)")
+        assert _tier(cache, opts) == [({"state": "read-only", "reason": error}, 1)]
+    finally:
+        cache.close()
+        plugin.deactivate()
+    # A directory that cannot even be made: no disk tier, mlx-lm's memory cache.
+    args, opts, warning = _start(path, d / "new", caplog)
+    assert warning.startswith(f"ssd-cache: cannot write to {d / 'new'}: ")
+    assert warning.endswith("; the disk tier is off")
+    assert plugin.make_prompt_cache(args, opts, 10, 1 << 63) is None
+    ((labels, value),) = _tier(LRUPromptCache(), opts)
+    assert labels["state"] == "off" and labels["reason"].startswith(error.split()[0]) and value == 1
+    plugin.deactivate()
+
+
+def _chmod_restricts(tmp_path):
+    """False for root (or any process allowed to override file modes)."""
+    probe = tmp_path / "probe"
+    probe.mkdir(mode=0o555)
+    try:
+        (probe / "file").write_text("x")
+        return False
+    except PermissionError:
+        return True
+
+
+def test_a_read_only_directory_is_said_at_start_up(tiny, tmp_path, caplog):
+    if not _chmod_restricts(tmp_path):
+        pytest.skip("this user writes through chmod (root)")
+    model, _, path = tiny("llama")
+    d = tmp_path / "cache"
+    _stored_once(model, path, d)
+    for p in [d, *d.rglob("*")]:
+        p.chmod(0o555 if p.is_dir() else 0o444)
+    try:
+        check_unwritable(model, path, d, "Permission denied (EACCES)", caplog)
+    finally:
+        for p in [d, *d.rglob("*")]:
+            p.chmod(0o755)
+
+
+def test_a_read_only_file_system_is_said_at_start_up(tiny, tmp_path, caplog):
+    model, _, path = tiny("llama")
+    d = tmp_path / "mnt"
+    d.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True
+    )
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        _stored_once(model, path, d)
+        subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+        check_unwritable(model, path, d, "Read-only file system (EROFS)", caplog)
+    finally:
+        subprocess.run(["umount", "-l", str(d)])
+
+
+def test_a_writable_directory_is_on(tmp_path):
+    args = parsed("--ssd-cache-dir", str(tmp_path / "cache"))
+    opts = plugin.activate("server", args)
+    try:
+        cache = plugin.make_prompt_cache(args, opts, 10, 1 << 63)
+        assert _tier(cache, opts) == [({"state": "on"}, 1)]
+        assert _files(tmp_path / "cache") == ["CACHEDIR.TAG"]  # the write check left nothing
+        cache.close()
+    finally:
+        plugin.deactivate()
 
 
 def test_make_prompt_cache_uses_flags(tmp_path, tiny_model):

@@ -9,6 +9,7 @@ short prefix hits (the shared chat-template tokens) as in the cold run.
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -238,8 +239,39 @@ def test_read_only_directory_still_restores(servers, model, tmpfs, tmp_path):
         s2.chat(p)
     time.sleep(1)
     assert s2.healthy()
-    assert s2.text().count("read-only file system") == 1
+    # Said once, at start-up; no write is attempted, so none fails.
+    log = s2.text()
+    said = f"cannot write to {d}: Read-only file system (EROFS); restores only"
+    assert log.count(said) == 1 and "not stored" not in log
+    assert "writes pending, read-only (nothing is stored)" in log  # the server's disk line
+    assert tier_row(s2) == ["read-only", "Read-only file system (EROFS)"]
     assert len(entries(d)) == 1
+
+
+def tier_row(s):
+    """The disk tier's state on ``/status.json``: its labels, as the page shows them."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(s.url + "/status.json", timeout=30) as r:
+        doc = json.loads(r.read())
+    (table,) = [t for t in doc["tables"] if t["title"] == "Plugin ssd-cache"]
+    (row,) = [r for r in table["rows"] if r[2].startswith("mlx_lm_ssd_cache_disk_tier")]
+    assert row[1] == "1"
+    return re.findall(r"\[([^\]]*)\]", row[2])
+
+
+def test_a_directory_that_cannot_be_made_leaves_the_memory_cache(servers, model, tmpfs, tmp_path):
+    d = tmpfs("64k")
+    subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+    s = servers(model, d / "cache", tmp_path / "1.log").wait_ready()
+    s.chat(PROMPTS[0])
+    assert cached(s.chat(PROMPTS[0])) > 0  # mlx-lm's memory cache serves
+    assert s.healthy()
+    log = s.text()
+    said = f"cannot write to {d / 'cache'}: Read-only file system (EROFS); the disk tier is off"
+    assert log.count(said) == 1 and "- disk:" not in log
+    assert tier_row(s) == ["off", "Read-only file system (EROFS)"]
 
 
 def test_two_servers_share_one_directory(servers, model, tokenizer, tmp_path):
