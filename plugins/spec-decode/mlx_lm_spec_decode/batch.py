@@ -158,6 +158,9 @@ class SpecGenerationBatch(GenerationBatch):
         self.misses = 0
         self.last_plain_b = 0  # batch size of the previous call, if it was a pipelined plain step
         self.owed: Optional[Tuple[float, Any]] = None  # the previous call's timing, unsent
+        self.called: Optional[tuple] = None  # its (B, tokens, s, drafting on, round's shape)
+        self.shape: Optional[Tuple[int, int]] = None  # this call's round's (B, W)
+        self.on = True  # drafting is on for this call's batch size
         self.returned = 0.0  # when the previous call returned
         self.steps = 0  # plain steps run (each row's figures catch up when it leaves)
         self.idle = 0  # plain steps since the last round
@@ -172,7 +175,7 @@ class SpecGenerationBatch(GenerationBatch):
             row.steps = self.steps
         super().extend(batch)
         self.rows.extend(rows)
-        self.last_plain_b, self.owed, self.pending = 0, None, None
+        self.last_plain_b, self.owed, self.called, self.pending = 0, None, None, None
 
     def filter(self, keep: List[int]) -> None:
         kept = set(keep)
@@ -255,8 +258,12 @@ class SpecGenerationBatch(GenerationBatch):
 
     def next(self) -> List[GenerationBatch.Response]:
         self._settle()
+        B, t = len(self.uids), time.perf_counter()
+        self.on, self.shape = True, None
         out = self._next()
         self.returned = time.perf_counter()
+        if self.spec is not None and B:
+            self.called = (B, len(out), self.returned - t, self.on, self.shape)
         return out
 
     def _settle(self) -> None:
@@ -265,15 +272,27 @@ class SpecGenerationBatch(GenerationBatch):
         time overlaps the forward, behind a round nothing runs, so a round's
         price is what the caller sees. A batch that changed in between (rows
         joining: their prompts were processed) discards it."""
+        after = time.perf_counter() - self.returned
         if self.owed is not None:
             seconds, record = self.owed
             self.owed = None
-            record(seconds + time.perf_counter() - self.returned)
+            record(seconds + after)
+        if self.called is not None:
+            B, n, seconds, on, shape = self.called
+            self.called = None
+            self.spec.ctl.call(B, n, seconds + after, on, shape)
 
     def _next(self) -> List[GenerationBatch.Response]:
         if not self.uids:
             return []
         spec, B = self.spec, len(self.uids)
+        if spec is not None and not spec.no_draft and not spec.ctl.drafting(B):
+            # Drafting lost at this size: mlx-lm's own steps, on a cache
+            # without holes, and no proposals.
+            self.on, self.plain_left = False, 0
+            if self.last_plain_b != B:
+                self._squeeze()
+            return self._plain()
         if spec is None or spec.no_draft or self.plain_left > 0 or spec.ctl.needs_plain(B):
             if spec is not None and self.plain_left == 0 and spec.ctl.needs_plain(B):
                 self.plain_left = BatchController.PROBE
@@ -395,6 +414,7 @@ class SpecGenerationBatch(GenerationBatch):
         ahead = pending is None
         windows, parents, sizes = self._windows(pending or [0] * B, drafts, trees)
         W = len(windows[0])
+        self.shape = (B, W)
         inputs = mx.array(windows, mx.uint32)
         if ahead:
             first = self._next_tokens.reshape(B, 1).astype(mx.uint32)
@@ -562,6 +582,15 @@ class SpecBatchGenerator(BatchGenerator):
         self.spec = SpecState(model, drafter, gamma, gmax)
         self._generation_batch = SpecGenerationBatch.empty(self.model, self.sampler)
         self._generation_batch.spec = self.spec
+
+    def _next(self) -> Any:
+        prompt_responses, responses = super()._next()
+        if prompt_responses:
+            # Prompts were processed after the step: the caller's time until
+            # the next call is theirs, not the step's.
+            batch = self._generation_batch
+            batch.owed = batch.called = None
+        return prompt_responses, responses
 
     def insert_segments(self, segments: List[List[List[int]]], *args: Any, **kwargs: Any):
         uids = super().insert_segments(segments, *args, **kwargs)

@@ -138,6 +138,9 @@ class BatchController:
     AFTER = 4  # plain steps after a round whose excess over a plain step is the round's
     CLEAN = 16  # plain steps after a round before they time a clean plain step
     BACKOFF = 5  # retries that lost in a row, each doubling the wait, before it stops growing
+    MODE = 24  # calls at a batch size with drafting on that are judged against plain steps
+    MODE_SLACK = 0.97  # ... which must reach this share of the plain steps' tokens per second
+    MODE_WAIT = 64  # calls with drafting off after it first lost at a size (doubling, to 16x)
 
     def __init__(self, gamma: int, gmax: int, adaptive: bool = True, auto_off: bool = True):
         self.gmax = max(1, gmax)
@@ -156,6 +159,77 @@ class BatchController:
         self.lost: Dict[int, int] = {}  # B -> retries in a row that lost
         self.retried: Dict[int, bool] = {}  # B -> its last round was a retry
         self.widths: tuple = ()  # the widths windows are padded up to (``target.window_widths``)
+        self.on_calls: Dict[int, deque] = {}  # B -> (tokens, seconds) of calls with drafting on
+        self.off_calls: Dict[int, deque] = {}  # B -> the same with drafting off
+        self.off_left: Dict[int, int] = {}  # B -> calls left with drafting off there
+        self.off_losses: Dict[int, int] = {}  # B -> verdicts in a row that switched it off
+        self.shapes: set = set()  # the (B, W) of the rounds run
+
+    def drafting(self, B: int) -> bool:
+        """Whether drafting is on at this batch size, as its calls have shown.
+
+        The cost model prices what it sees of a round; this judges what the
+        caller sees: every call's tokens and seconds (``call``), plain steps
+        and rounds alike, while drafting is on, against plain steps' rate.
+        Whatever a round costs beyond its own call (plain steps after it
+        slowed by its holes or by a GPU's evicted graphs, the proposals'
+        Python, exploring) shows there, so a batch size whose drafting
+        loses decodes as mlx-lm's own steps for ``MODE_WAIT`` calls (then
+        twice as many after each loss), and tries again. A size never
+        judged takes the verdict of the one ``losing`` would borrow from."""
+        if not self.auto_off:
+            return True
+        k = self._judged(B)
+        if k is None or self.off_left.get(k, 0) <= 0:
+            return True
+        self.off_left[k] -= 1
+        return False
+
+    def _judged(self, B: int) -> Optional[int]:
+        """``B`` if it was judged, else the size whose verdict it borrows."""
+        have = [k for k in self.off_losses if k in self.off_left]
+        if B in have:
+            return B
+        below = [k for k in have if k <= B]
+        above = [k for k in have if B < k <= B + max(1, B // 3)]
+        return max(below) if below else (min(above) if above else None)
+
+    def call(
+        self, B: int, tokens: int, seconds: float, on: bool, shape: Optional[tuple] = None
+    ) -> None:
+        """A call of the batch at size ``B`` emitted ``tokens`` in ``seconds``
+        (the caller's time after it included); ``on``: drafting was on;
+        ``shape``: a round's ``(B, W)``. The first round of each shape is
+        left out: it builds the kernels that later rounds of it reuse."""
+        if not self.auto_off or seconds <= 0:
+            return
+        if shape is not None and shape not in self.shapes:
+            self.shapes.add(shape)
+            return
+        if not on:
+            self.off_calls.setdefault(B, deque(maxlen=4 * self.MODE)).append((tokens, seconds))
+            return
+        q = self.on_calls.setdefault(B, deque(maxlen=self.MODE))
+        q.append((tokens, seconds))
+        ref = self._plain_rate(B)
+        if len(q) < self.MODE or ref is None:
+            return
+        if sum(n for n, _ in q) / sum(t for _, t in q) >= self.MODE_SLACK * ref:
+            self.off_losses[B], self.off_left[B] = 0, 0
+            return
+        losses = self.off_losses.get(B, 0)
+        self.off_left[B] = self.MODE_WAIT << min(losses, 4)
+        self.off_losses[B] = losses + 1
+        q.clear()
+
+    def _plain_rate(self, B: int) -> Optional[float]:
+        """Tokens per second of plain steps at ``B``: its calls with drafting
+        off where there are enough, else its clean plain steps'."""
+        q = self.off_calls.get(B)
+        if q and len(q) >= self.MODE // 2:
+            return sum(n for n, _ in q) / sum(t for _, t in q)
+        p = self._plain_at(B) if self.plain.get(B) else None
+        return B / p if p else None
 
     def needs_plain(self, B: int) -> bool:
         """Whether plain steps at this batch size must be timed before deciding."""

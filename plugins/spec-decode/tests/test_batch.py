@@ -436,13 +436,17 @@ def test_unverified_drafts_still_teach_the_rows_acceptance():
     assert early.alpha > 0.5  # only one token emitted since: kept, no miss seen
 
 
-def simulate_batch(steps, round_s, round_tokens, slow_steps, slow_s, plain_s=0.010, B=8):
+def simulate_batch(
+    steps, round_s, round_tokens, slow_steps, slow_s, plain_s=0.010, B=8, told_s=None
+):
     """Drive a ``BatchController`` with synthetic timings, as the generation
     batch does (plain steps in the runs it asks for, a decision between
     them, the first plain step after a round untimed): plain steps take
     ``plain_s``, but ``slow_s`` for the ``slow_steps`` after a round (a GPU
     rebuilding the step's graphs the round evicted); a round takes
-    ``round_s`` and emits ``round_tokens``. Returns the share of calls that
+    ``round_s`` and emits ``round_tokens``, though its own timing tells the
+    controller ``told_s`` (default: the same; less: a cost it cannot see
+    in the round, which the caller's clock shows). Returns the share of calls that
     were rounds after the first fifth of the run, and tokens/s over a plain
     step's."""
     from mlx_lm_spec_decode.batch import COST_RUN
@@ -452,15 +456,18 @@ def simulate_batch(steps, round_s, round_tokens, slow_steps, slow_s, plain_s=0.0
     kinds, seconds, tokens = [], 0.0, 0
     plain_left, idle, timed, rounds_run = 0, 0, False, False
     while len(kinds) < steps:
-        g = 0
-        if plain_left == 0 and ctl.needs_plain(B):
+        g, on = 0, ctl.drafting(B)
+        if not on:
+            plain_left = 0
+        elif plain_left == 0 and ctl.needs_plain(B):
             plain_left = BatchController.PROBE
         elif plain_left == 0:
             g = ctl.choose(B, [4] * B, [0.6] * B, idle)
             if g == 0:
                 plain_left = min(COST_RUN, 1 << min(max(ctl.declined - 1, 0), 3))
         if g:
-            ctl.verify_round(B, g + 1, round_s, tokens=round_tokens)
+            ctl.verify_round(B, g + 1, told_s or round_s, tokens=round_tokens)
+            ctl.call(B, round_tokens, round_s, on)
             kinds.append(1)
             seconds, tokens, idle, timed, rounds_run = (
                 seconds + round_s,
@@ -475,6 +482,7 @@ def simulate_batch(steps, round_s, round_tokens, slow_steps, slow_s, plain_s=0.0
         s = slow_s if rounds_run and idle <= slow_steps else plain_s
         if timed:
             ctl.plain_step(B, s, idle)
+        ctl.call(B, B, s, on)
         kinds.append(0)
         seconds, tokens, timed = seconds + s, tokens + B, True
     tail = kinds[steps // 5 :]
@@ -503,6 +511,18 @@ def test_controller_settles_to_plain_steps_where_rounds_lose():
     assert share > 0.5 and speed > 1.5, (share, speed)
     share, speed = simulate_batch(3000, 0.015, 16, 12, 0.020)
     assert share > 0.5 and speed > 1.15, (share, speed)
+
+
+def test_drafting_switches_off_where_the_callers_clock_shows_rounds_lose():
+    """Rounds whose own timing says they pay (16 tokens in 12 ms against 8
+    in 10 ms) but that take 30 ms on the caller's clock: the calls with
+    drafting on lose against plain steps, so the batch size decodes plainly,
+    retrying with a doubling wait, within 5% of plain decoding. Rounds that
+    really pay stay on."""
+    share, speed = simulate_batch(4000, 0.030, 16, 0, 0.010, told_s=0.012)
+    assert share < 0.02 and speed > 0.95, (share, speed)
+    share, speed = simulate_batch(4000, 0.015, 24, 0, 0.010, told_s=0.012)
+    assert share > 0.5 and speed > 1.3, (share, speed)
 
 
 def test_a_long_plain_run_after_rounds_squeezes_their_holes_out(llama, monkeypatch):
