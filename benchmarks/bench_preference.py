@@ -16,16 +16,21 @@ another's):
   log-probs from flash-cce, no logits);
 - ``dpo mlx-lm-lora``: its ``dpo_loss`` with a reference model (a second
   copy of the weights) run inside every step, as its ``train_dpo`` does;
-- ``dpo flash-cce``: ``--loss dpo`` as shipped: the step reads precomputed
-  reference log-probs. In the same process, interleaved with its steps, the
-  reference pass as shipped (``preference.fill_reference`` from scratch over
-  one training batch's pairs: forward only, compiled, adapters off) and the
-  bare forward of the same batch (the same log-probs: shared prompt, no
-  logits, compiled once, nothing around it). The bare forward against the
-  step is the floor of this design; the pass against the bare forward is
-  what the pass adds. These rows run at each ``--dpo-layers`` value (LoRA on
-  the top 16 layers, mlx-lm's default, and on all): the step's backward runs
-  through the adapted layers only, the forward through all of them.
+- ``dpo flash-cce``: ``--loss dpo`` with its reference log-probs
+  precomputed (the step computes no reference: it reads them from the
+  batch). In the same process, interleaved with its steps: the step with
+  the reference in the step (``--loss dpo`` as shipped where the adapters
+  sit on the top layers only: the layers below run once, the adapted ones
+  twice, with and without the adapters), so that the reference's cost is
+  that step less the step without it; the reference pass (``preference.
+  fill_reference`` from scratch over one training batch's pairs: forward
+  only, adapters off; as shipped where the step cannot compute the
+  reference); and the bare forward of the same batch (the same log-probs:
+  shared prompt, no logits, compiled once, nothing around it), the floor of
+  a pass. These rows run at each ``--dpo-layers`` value (LoRA on the top 16
+  layers, mlx-lm's default, and on all, where only the pass applies): the
+  step's backward runs through the adapted layers only, the forward through
+  all of them.
 
 At prompt:response token ratios 1:1 and 4:1 (``--response`` tokens per
 response). Times are the median over ``--repeats`` rounds after a compiling
@@ -120,7 +125,8 @@ def _loss(method, model, rows):
 
     kind, how = method.split(" ")
     if how == "flash-cce":
-        fn = preference.make_loss(model, kind, beta=0.1, sets=[pairs.PairDataset(rows, "b")])
+        data = [pairs.PairDataset(rows, "b")]
+        fn = preference.make_loss(model, kind, beta=0.1, sets=data, reads=preference.PRECOMPUTE)
         return (lambda m, *b: fn(m, *b)[:2]), pairs.collate(rows)
     if how == "stock":
 
@@ -208,6 +214,14 @@ def _bare_forward(model, batch):
     return run
 
 
+def _in_step_loss(model):
+    """``--loss dpo`` with the reference in the step, or None where it does not apply."""
+    from mlx_lm_flash_cce import preference
+
+    fn = preference.make_loss(model, "dpo", beta=0.1, check=False)
+    return (lambda m, *b: fn(m, *b)[:2]) if fn.reference_layers else None
+
+
 def _compiled_step(model, loss):
     from functools import partial
 
@@ -234,8 +248,9 @@ def _compiled_step(model, loss):
 
 def one_method(method, model_name, dtype, n_pairs, prompt, response, layers, repeats):
     """In a fresh process: the compiled step's time and peak memory; for ``dpo flash-cce``
-    the reference pass as shipped and the bare forward too, interleaved with the steps
-    (each round: pass, forward, step), so that the machine's load falls on all three."""
+    the step with the reference in it, the reference pass and the bare forward too,
+    interleaved with the steps (each round: pass, forward, in-step reference step, step),
+    so that the machine's load falls on all four."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     model, ids = _load(model_name, dtype)
@@ -245,7 +260,7 @@ def one_method(method, model_name, dtype, n_pairs, prompt, response, layers, rep
     loss, batch = _loss(method, model, rows)  # mlx-lm-lora's reference: the base weights
     mx.random.seed(0)
     linear_to_lora_layers(model, layers, {"rank": 8, "scale": 20.0, "dropout": 0.0})
-    result = {"method": method, "steps": [], "reference": [], "forward": []}
+    result = {"method": method, "steps": [], "reference": [], "forward": [], "in_step": []}
     extra = []
     if method == "dpo flash-cce":
         from mlx_lm_flash_cce import pairs
@@ -254,13 +269,19 @@ def one_method(method, model_name, dtype, n_pairs, prompt, response, layers, rep
         reference()
         batch = pairs.collate(rows)  # with the reference log-probs
         extra = [("reference", reference), ("forward", _bare_forward(model, batch))]
+        in_step = _in_step_loss(model)
+        if in_step is not None:
+            model.train()  # the same loss both ways, before any step
+            result["losses"] = [loss(model, *batch)[0].item(), in_step(model, *batch)[0].item()]
+            in_step_step = _compiled_step(model, in_step)
+            extra.append(("in_step", lambda: in_step_step(batch)))
     step = _compiled_step(model, loss)
     mx.eval(batch)
     for i in range(repeats + 1):  # the first round compiles
         for key, fn in extra:
-            wall, cpu, _, _ = _timed(fn)
+            wall, cpu, peak, _ = _timed(fn)
             if i:
-                result[key].append((wall, cpu))
+                result[key].append((wall, cpu, peak))
         timed = _timed(lambda: step(batch))
         if i:
             result["steps"].append(timed)
@@ -301,39 +322,61 @@ def _layers_name(layers):
     return "all" if layers < 0 else str(layers)
 
 
+def _in_step_line(key, d):
+    if "in_step" not in d:
+        return f"{key}: reference in the step: does not apply (adapters on every layer)"
+    (iw, ic, ipeak), (rw, rc) = d["in_step"], d["reference"]
+    return (
+        f"{key}: reference in the step {(ic - d['cpu']) / d['cpu']:.2f}x a training step per "
+        f"batch (CPU time; wall {(iw - d['wall']) / d['wall']:.2f}x; its step "
+        f"{ic / d['cpu']:.2f}x the step without a reference, peak memory "
+        f"{ipeak / d['peak']:.2f}x); against the reference pass per batch "
+        f"{(ic - d['cpu']) / rc:.2f}x (wall {(iw - d['wall']) / rw:.2f}x); loss "
+        f"{d['losses'][1]:.6f} in the step, {d['losses'][0]:.6f} precomputed"
+    )
+
+
 def _summary(ratio, res):
     lines = []
     base = res.get("orpo stock")
     for m in ("orpo flash-cce", "orpo mlx-lm-lora"):
         if m in res and base is not None:
-            w, c, p = (res[m][k] / base[k] for k in range(3))
+            w, c, p = (res[m][k] / base[k] for k in ("wall", "cpu", "peak"))
             lines.append(
                 f"{ratio}:1 {m} / orpo stock: {w:.2f}x wall, {c:.2f}x CPU time, {p:.2f}x peak memory"
             )
     if "orpo mlx-lm-lora" in res and "orpo flash-cce" in res:
         o, f = res["orpo mlx-lm-lora"], res["orpo flash-cce"]
         lines.append(
-            f"{ratio}:1 orpo flash-cce / mlx-lm-lora: {f[0] / o[0]:.2f}x wall, "
-            f"{f[1] / o[1]:.2f}x CPU time, {f[2] / o[2]:.2f}x peak memory"
+            f"{ratio}:1 orpo flash-cce / mlx-lm-lora: {f['wall'] / o['wall']:.2f}x wall, "
+            f"{f['cpu'] / o['cpu']:.2f}x CPU time, {f['peak'] / o['peak']:.2f}x peak memory"
         )
     for key, d in res.items():
         if not key.startswith("dpo flash-cce"):
             continue
-        (rw, rc), (fw, fc) = d[3], d[4]
+        lines.append(f"{ratio}:1 {_in_step_line(key, d)}")
+        (rw, rc), (fw, fc) = d["reference"], d["forward"]
         lines.append(
-            f"{ratio}:1 {key}: reference pass {rc / d[1]:.2f}x a training step per batch "
-            f"(CPU time; wall {rw / d[0]:.2f}x); bare forward (the floor) {fc / d[1]:.2f}x "
-            f"(wall {fw / d[0]:.2f}x); reference pass / bare forward {rc / fc:.2f}x "
-            f"(wall {rw / fw:.2f}x)"
+            f"{ratio}:1 {key}: reference pass {rc / d['cpu']:.2f}x a training step per batch "
+            f"(CPU time; wall {rw / d['wall']:.2f}x); bare forward (the floor) "
+            f"{fc / d['cpu']:.2f}x (wall {fw / d['wall']:.2f}x); reference pass / bare "
+            f"forward {rc / fc:.2f}x (wall {rw / fw:.2f}x)"
         )
     d, o = res.get("dpo flash-cce, LoRA 16"), res.get("dpo mlx-lm-lora")
     if d is not None and o is not None:
-        lines.append(
+        line = (
             f"{ratio}:1 dpo flash-cce step / mlx-lm-lora step (its reference in every step): "
-            f"{d[0] / o[0]:.2f}x wall, {d[1] / o[1]:.2f}x CPU time, {d[2] / o[2]:.2f}x peak "
-            f"memory; with the reference pass added per batch: {(d[1] + d[3][1]) / o[1]:.2f}x "
-            "CPU time"
+            f"{d['wall'] / o['wall']:.2f}x wall, {d['cpu'] / o['cpu']:.2f}x CPU time, "
+            f"{d['peak'] / o['peak']:.2f}x peak memory; with the reference pass added per "
+            f"batch: {(d['cpu'] + d['reference'][1]) / o['cpu']:.2f}x CPU time"
         )
+        if "in_step" in d:
+            i = d["in_step"]
+            line += (
+                f"; with the reference in the step: {i[1] / o['cpu']:.2f}x CPU time, "
+                f"{i[2] / o['peak']:.2f}x peak memory"
+            )
+        lines.append(line)
     return lines
 
 
@@ -341,13 +384,17 @@ def _figure_rows(ratio, prompt, response, res):
     rows = []
     for key, d in res.items():
         if key.startswith("dpo flash-cce"):
-            (_, rc), (_, fc) = d[3], d[4]
+            (_, rc), (_, fc) = d["reference"], d["forward"]
+            in_step = "n/a (the pass runs)"
+            if "in_step" in d:
+                in_step = f"{(d['in_step'][1] - d['cpu']) / d['cpu']:.2f}x"
             rows.append(
                 [
                     f"{ratio}:1 ({prompt}:{response})",
                     key.split("LoRA ")[1],
-                    f"{rc / d[1]:.2f}x",
-                    f"{fc / d[1]:.2f}x",
+                    in_step,
+                    f"{rc / d['cpu']:.2f}x",
+                    f"{fc / d['cpu']:.2f}x",
                     f"{rc / fc:.2f}x",
                 ]
             )
@@ -357,6 +404,7 @@ def _figure_rows(ratio, prompt, response, res):
 FIGURE_COLUMNS = (
     "prompt:response",
     "LoRA layers",
+    "reference in the step / step",
     "reference pass / step",
     "bare forward / step (the floor)",
     "reference pass / bare forward",
@@ -375,10 +423,28 @@ def _runs(a, have_lora):
             yield method, method, a.layers
 
 
+def _row(r):
+    """A run's medians: ``wall``, ``cpu``, ``peak`` of the step, then each timed extra."""
+    steps = r["steps"]
+    d = {"wall": _median(steps, 0), "cpu": _median(steps, 1), "peak": max(s[2] for s in steps)}
+    for key in ("reference", "forward"):
+        if r[key]:
+            d[key] = (_median(r[key], 0), _median(r[key], 1))
+    if r["in_step"]:
+        d["in_step"] = (_median(r["in_step"], 0), _median(r["in_step"], 1))
+        d["in_step"] += (max(x[2] for x in r["in_step"]),)
+        d["losses"] = r["losses"]
+    return d
+
+
+def _cell(d, key):
+    return f"{d[key][0]:.3f}/{d[key][1]:.3f}c" if key in d else ""
+
+
 def _table(a, ratios, have_lora):
     print(
         f"{'p:r':>5} | {'method':>24} | {'step s':>7} | {'cpu s':>7} | {'peak MiB':>9} | "
-        f"{'ref s':>13} | {'forward s':>13} | {'loss':>8}"
+        f"{'in-step s':>13} | {'ref s':>13} | {'forward s':>13} | {'loss':>8}"
     )
     summary, figures = [], []
     for ratio in ratios:
@@ -386,21 +452,12 @@ def _table(a, ratios, have_lora):
         res = {}
         for method, label, layers in _runs(a, have_lora):
             r = _run_one(a, method, prompt, layers)
-            steps = r["steps"]
-            w, c = _median(steps, 0), _median(steps, 1)
-            peak = max(s[2] for s in steps)
-            res[label] = [w, c, peak]
-            cells = []
-            for key in ("reference", "forward"):
-                if r[key]:
-                    rw, rc = _median(r[key], 0), _median(r[key], 1)
-                    res[label].append((rw, rc))
-                    cells.append(f"{rw:.3f}/{rc:.3f}c")
-                else:
-                    cells.append("")
+            d = res[label] = _row(r)
+            cells = [_cell(d, k) for k in ("in_step", "reference", "forward")]
             print(
-                f"{f'{ratio}:1':>5} | {label:>24} | {w:7.3f} | {c:7.3f} | {_mib(peak):>9} | "
-                f"{cells[0]:>13} | {cells[1]:>13} | {steps[0][3]:8.4f}",
+                f"{f'{ratio}:1':>5} | {label:>24} | {d['wall']:7.3f} | {d['cpu']:7.3f} | "
+                f"{_mib(d['peak']):>9} | {cells[0]:>13} | {cells[1]:>13} | {cells[2]:>13} | "
+                f"{r['steps'][0][3]:8.4f}",
                 flush=True,
             )
         summary += _summary(ratio, res)
@@ -414,7 +471,8 @@ def _table(a, ratios, have_lora):
 
 
 FIGURE_NOTE = (
-    "CPU time, medians, each ratio within one process (pass, forward and step interleaved)."
+    "CPU time, medians, each ratio within one process (pass, forward and both steps "
+    "interleaved); the reference in the step: the step with it less the step without."
 )
 
 
@@ -473,9 +531,10 @@ def main():
         f"{', '.join(map(_layers_name, a.dpo_layers))}; Adam, compiled): {a.model} {a.dtype}, "
         f"{a.pairs} pairs per batch, {a.response} tokens per response, device "
         f"{mx.default_device()}; {lora}; fresh process per method, median of {a.repeats} "
-        "rounds after a compiling one; ref s: the DPO reference pass as shipped per batch, "
-        "forward s: the bare forward of the same batch (its floor), wall/CPU, interleaved "
-        "with the steps of the same process"
+        "rounds after a compiling one; in-step s: the DPO step with the reference in the "
+        "step (step s: without any), ref s: the DPO reference pass per batch, forward s: the "
+        "bare forward of the same batch (its floor), wall/CPU, interleaved with the steps of "
+        "the same process"
     )
     _table(a, ratios, not lora.startswith("mlx-lm-lora not"))
 

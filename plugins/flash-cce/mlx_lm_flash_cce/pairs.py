@@ -296,6 +296,32 @@ def read_by(args: Any, sets: Sequence[PairDataset]) -> List[PairDataset]:
     return out
 
 
+def reads(args: Any, sets: Sequence[PairDataset]) -> int:
+    """How many pairs the run's forwards read from ``sets`` (``read_by``'s): each
+    of ``--iters`` steps a batch, each validation (mlx-lm's: at the first step,
+    every ``--steps-per-eval`` and the last) and ``--test`` theirs, in full
+    batches as mlx-lm's ``evaluate`` takes them."""
+    size = max(int(getattr(args, "batch_size", 4)), 1)
+    iters = max(int(getattr(args, "iters", 1000)), 0)
+    every = max(int(getattr(args, "steps_per_eval", 200)), 1)
+
+    def batches(data, limit):
+        full = len(data) // size
+        return size * (full if limit == -1 else min(limit, full))
+
+    total = 0
+    for data in sets:
+        split = data.name.split(".")[0]
+        if split == "train":
+            total += iters * size
+        elif split == "valid":
+            evals = len({1, iters} | set(range(every, iters + 1, every))) if iters else 0
+            total += evals * batches(data, getattr(args, "val_batches", 25))
+        else:
+            total += batches(data, getattr(args, "test_batches", 500))
+    return total
+
+
 def padded(n: int) -> int:
     """``n`` rounded up to a multiple of ``max(PAD_MIN, 2**floor(log2 n) / 8)``."""
     step = max(PAD_MIN, (1 << max(n.bit_length() - 1, 0)) >> 3)

@@ -282,7 +282,7 @@ def make_loss(name: str, model: Any, args: argparse.Namespace, options: Any) -> 
 
 
 def _preference_loss(name, model, args, pref, cce):
-    from . import preference
+    from . import pairs, preference
 
     reference_model = None
     if name in REFERENCE and pref["reference_model"] is not None:
@@ -303,6 +303,7 @@ def _preference_loss(name, model, args, pref, cce):
         batch_size=args.batch_size,
         share_prompt=not getattr(args, "grad_checkpoint", False),
         reference_model=reference_model,
+        reads=pairs.reads(args, pref["sets"]) if pref["sets"] else None,
         **cce,
     )
     return loss  # the reference model's log-probs are in the pairs; its weights can go

@@ -7,13 +7,24 @@ heads, its row padding for the 2- and 3-row quantized matmul, its backends),
 never from ``[tokens, vocab]`` logits. The objectives (ORPO, DPO, IPO, hinge,
 SimPO, CPO) and their formulas are in ``objectives``.
 
-The reference log-probs of DPO, IPO and hinge are computed once, before the
-first step, for every pair of the splits the run reads (``sets``): in
-batches of twice ``--batch-size`` pairs of similar length, forward only
-(eager: a compiled forward would retrace for each batch's shape), from the model with
-its LoRA/DoRA adapters switched off (a full fine-tune: the weights as
-training starts), or from another checkpoint (``--reference-model``); they
-ride in each batch.
+The reference log-probs of DPO, IPO and hinge (``reference_plan`` says
+which way, and the log names it):
+
+- in the step, where every trained weight lies in adapters of the top ``k``
+  layers (mlx-lm's ``--num-layers 16`` of more) and the reference is the
+  base model: the lower layers' output is the same for both, so each
+  forward, training and evaluation alike, runs them once and the top ``k``
+  twice, with and without the adapters (``shared_prompt``'s ``top``); the
+  reference costs those ``k`` layers and the head, no pass before training.
+  Not where the run reads each pair so often that one forward per pair
+  costs less (many epochs, by ``reference_share``).
+- else precomputed once, before the first step, for every pair of the
+  splits the run reads (``sets``): in batches of twice ``--batch-size``
+  pairs of similar length, forward only (eager: a compiled forward would
+  retrace for each batch's shape), from the model with its LoRA/DoRA
+  adapters switched off (a full fine-tune: the weights as training starts),
+  or from another checkpoint (``--reference-model``); they ride in each
+  batch.
 
 The loss reports ``METRICS`` (the host prints them beside mlx-lm's lines):
 the mean reward margin, the fraction of pairs whose chosen reward is higher,
@@ -24,14 +35,12 @@ pairs, so mlx-lm's ``evaluate``, which weights each batch by that count,
 reports the mean over pairs, as TRL does, not over tokens.
 """
 
-import contextlib
 import logging
 import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_unflatten
 
 from mlx_lm_ext.api import backbone
 
@@ -40,9 +49,11 @@ from .objectives import dpo, log1m_exp, log_sigmoid, orpo  # noqa: F401  (the fo
 
 log = logging.getLogger("mlx_lm_flash_cce")
 
+adapters_off = shared_prompt.adapters_off  # the reference's base model, layer by layer too
 LOSSES = objectives.LOSSES
 METRICS = ("reward_margin", "accuracy", "chosen_logp", "rejected_logp")
 DEFAULT_BETA = 0.1
+PRECOMPUTE = -1  # make_loss(reads=PRECOMPUTE): the reference pass, wherever the step could do it
 
 
 def metrics(
@@ -62,11 +73,13 @@ def metrics(
 def make_token_logps(
     model: Any, check: bool = True, share_prompt: bool = True, **options: Any
 ) -> Callable:
-    """``token_logps(model, prompts, prompt_lens, responses) -> [2B, R]`` for this model.
+    """``token_logps(model, prompts, prompt_lens, responses, top=0) -> [2B, R]`` for this model.
 
     The prompt is shared and the head read without logits where the model
     allows; otherwise (logged) two full sequences per pair, or the model's
-    own logits when its head does not decompose.
+    own logits when its head does not decompose. With ``top`` (the adapted
+    top layers, see ``reference_plan``) it returns ``(policy, reference)``,
+    the reference's without gradient.
     """
     from . import loss as cce_loss
 
@@ -82,7 +95,9 @@ def make_token_logps(
             message,
         )
 
-        def stock(model, prompts, prompt_lens, responses):
+        def stock(model, prompts, prompt_lens, responses, top=0):
+            if top:
+                raise ValueError("the reference in the step needs a head that decomposes")
             return shared_prompt.stock_logps(model, prompts, prompt_lens, responses)
 
         stock.shared, stock.flash = False, False
@@ -106,8 +121,7 @@ def make_token_logps(
         )
     hidden_of = shared_prompt.shared_hidden if shared else shared_prompt.unshared_hidden
 
-    def token_logps(model, prompts, prompt_lens, responses):
-        hidden = hidden_of(model, arch, prompts, prompt_lens, responses)
+    def logps(model, hidden, responses, with_grad):
         ce = api.linear_cross_entropy(
             hidden,
             arch.head(model),
@@ -115,12 +129,24 @@ def make_token_logps(
             softcap=arch.softcap(model),
             logit_scale=arch.logit_scale(model),
             reduction="none",
-            with_grad=model.training,
+            with_grad=with_grad,
             **options,
         )
         return -ce
 
+    def token_logps(model, prompts, prompt_lens, responses, top=0):
+        hidden = hidden_of(model, arch, prompts, prompt_lens, responses, top)
+        if not top:
+            return logps(model, hidden, responses, model.training)
+        n = responses.shape[0]
+        policy = logps(model, hidden[:n], responses, model.training)
+        return policy, logps(model, mx.stop_gradient(hidden[n:]), responses, False)
+
+    def probe_reference(model, top):
+        return shared_prompt.check_reference(model, arch, vocab, top, hidden_of)
+
     token_logps.shared, token_logps.flash = shared, True
+    token_logps.vocab, token_logps.probe_reference = vocab, probe_reference
     return token_logps
 
 
@@ -128,22 +154,6 @@ def sequence_logps(token_logps: mx.array, response_lens: mx.array) -> mx.array:
     """``[2B]`` summed log-probs over each response's real tokens."""
     mask = mx.arange(token_logps.shape[1])[None] < response_lens[:, None]
     return (token_logps * mask).sum(axis=1)
-
-
-@contextlib.contextmanager
-def adapters_off(model: nn.Module) -> Iterator[int]:
-    """The base model: every LoRA/DoRA layer swapped for the layer it wraps, then back."""
-    swapped = []
-    for path, module in model.named_modules():
-        if "lora_a" in module:
-            base = module.get("linear", module.get("embedding"))
-            if isinstance(base, nn.Module):
-                swapped.append((path, module, base))
-    model.update_modules(tree_unflatten([(p, b) for p, _, b in swapped]))
-    try:
-        yield len(swapped)
-    finally:
-        model.update_modules(tree_unflatten([(p, m) for p, m, _ in swapped]))
 
 
 def _by_length(sets: Sequence[Any]) -> List[pairs.Pair]:
@@ -219,6 +229,62 @@ def reference(
     return len(todo)
 
 
+def reference_plan(
+    model: nn.Module,
+    token_logps: Callable,
+    reference_model: Optional[nn.Module] = None,
+    reads: Optional[int] = None,
+    distinct: int = 0,
+) -> Tuple[int, str]:
+    """``(k, why)``: the reference log-probs in each step, over the top ``k``
+    adapted layers; ``(0, why)``: precomputed once.
+
+    ``reads`` is how many pairs the run's forwards read (``pairs.reads``),
+    ``distinct`` how many the pass would compute; the step's share of a
+    forward per read (``shared_prompt.reference_share``) must cost less in
+    all. Without ``reads`` (not known): in the step wherever it applies.
+    """
+    if reference_model is not None:
+        return 0, "--reference-model: another checkpoint"
+    if not token_logps.flash:
+        return 0, "the head does not decompose"
+    top, why = shared_prompt.adapted_top(model)
+    if not top:
+        return 0, why
+    share = shared_prompt.reference_share(model, token_logps.vocab, top)
+    if reads is not None and reads * share >= distinct:
+        return 0, (
+            f"{why}, but the run reads its {distinct} pairs {reads / max(distinct, 1):.1f} "
+            f"times: one forward per pair costs less than {share:.2f} of one per read"
+        )
+    ok, message = token_logps.probe_reference(model, top)
+    if not ok:
+        return 0, f"{why}, but the model does not split there ({message})"
+    return top, f"{why}, about {share:.2f} of a forward per read; {message}"
+
+
+def _prepare_reference(model, token_logps, sets, batch_size, reference_model, reads, options):
+    """The reference's top layers for the step, or 0 once the pass has filled the pairs."""
+    if reads == PRECOMPUTE:
+        top, why = 0, "asked for"
+    else:
+        todo = len(_by_length(sets))
+        top, why = reference_plan(model, token_logps, reference_model, reads, todo)
+    if top:
+        log.info(
+            "flash-cce: reference log-probs in each step, no pass before training (%s): the "
+            "layers below run once, the top %d twice, with and without the adapters",
+            why,
+            top,
+        )
+        return top
+    log.info("flash-cce: reference log-probs precomputed before training (%s)", why)
+    # Forward only, nothing kept per layer but the prompt's keys: twice the
+    # training batch holds less than one training step does, in fewer calls.
+    reference(model, token_logps, sets, 2 * batch_size, reference_model, **options)
+    return 0
+
+
 def make_loss(
     model: nn.Module,
     name: str,
@@ -230,6 +296,7 @@ def make_loss(
     check: bool = True,
     share_prompt: bool = True,
     reference_model: Optional[nn.Module] = None,
+    reads: Optional[int] = None,
     **options: Any,
 ) -> Callable[..., Tuple[mx.array, mx.array, mx.array]]:
     """``loss(model, prompts, prompt_lens, responses, response_lens, refs)
@@ -238,22 +305,32 @@ def make_loss(
     ``beta`` defaults per objective (``objectives.DEFAULT_BETA``), ``gamma``
     is SimPO's target margin. ``ntokens`` counts each prompt once plus both
     responses in training and the pairs in evaluation. DPO, IPO and hinge
-    first fill the reference log-probs of every pair in ``sets``.
+    compute their reference log-probs in each step or first fill those of
+    every pair in ``sets`` (``reference_plan``, given ``reads``, the pairs the
+    run reads; ``PRECOMPUTE``: the pass in any case).
     ``share_prompt=False`` (mlx-lm's ``--grad-checkpoint``) runs each pair as
-    two full sequences.
+    two full sequences. ``loss.reference_layers`` is the ``k`` of the
+    reference in the step (0: none or precomputed).
     """
     if name not in LOSSES:
         raise ValueError(f"unknown preference loss {name!r} (have: {', '.join(LOSSES)})")
     beta = objectives.DEFAULT_BETA[name] if beta is None else beta
     options = {k: v for k, v in options.items() if k != "verbose"}
     token_logps = make_token_logps(model, check=check, share_prompt=share_prompt, **options)
+    top = 0
     if name in objectives.REFERENCE:
-        # Forward only, nothing kept per layer but the prompt's keys: twice the
-        # training batch holds less than one training step does, in fewer calls.
-        reference(model, token_logps, sets, 2 * batch_size, reference_model, **options)
+        top = _prepare_reference(
+            model, token_logps, sets, batch_size, reference_model, reads, options
+        )
 
     def loss(model, prompts, prompt_lens, responses, response_lens, refs):
-        tok = token_logps(model, prompts, prompt_lens, responses)
+        if top:  # the batch's refs are unread: the step computes them
+            tok, ref_tok = token_logps(model, prompts, prompt_lens, responses, top)
+            ref = sequence_logps(ref_tok, response_lens)
+            b = prompts.shape[0]
+            refs = mx.stack([ref[:b], ref[b:]], axis=1)
+        else:
+            tok = token_logps(model, prompts, prompt_lens, responses)
         seq = sequence_logps(tok, response_lens)
         value, cr, rr, chosen, rejected = objectives.objective(
             name, seq, response_lens, refs, beta, gamma
@@ -265,4 +342,5 @@ def make_loss(
         return value.astype(mx.float32), ntoks, metrics(cr, rr, chosen, rejected)
 
     loss.metrics, loss.shared, loss.flash = METRICS, token_logps.shared, token_logps.flash
+    loss.reference_layers = top
     return loss

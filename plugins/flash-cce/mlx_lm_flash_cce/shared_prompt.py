@@ -21,11 +21,25 @@ keys and values into the prompt pass: log-probs and gradients equal two full
 sequences per pair (``unshared_hidden``) to float tolerance. Models that
 cannot take this (an attention that does not broadcast a per-row mask, a
 state-space layer) are caught by ``check`` and run unshared.
+
+The reference in the step (``top``): when every trained weight lies in
+adapters of the top ``k`` layers (``adapted_top``; mlx-lm's ``--num-layers``),
+the lower layers compute the same for the policy and for the base model.
+Both passes then run them once and the top ``k`` twice, through ``Twin``
+layers put in the model's layer list for the call: rows ``[:n]`` with the
+adapters (the policy), rows ``[n:]`` with them off (the reference, no
+gradient), each with its own caches (``TwinCache``). The hidden states come
+back stacked, the policy's ``[2B]`` rows then the reference's; the
+reference costs the top ``k`` layers and the head, not a forward.
+``check_reference`` compares both halves with the whole model on a probe.
 """
 
-from typing import Any, Optional, Tuple
+import contextlib
+from typing import Any, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_lm_ext.api import backbone
 
@@ -84,8 +98,88 @@ class ResponseCache:
         return mask[:, None]  # [2B, 1, n, P + n]
 
 
+class TwinCache:
+    """A twin layer's two caches; the mask and positions are the policy's (the same rows)."""
+
+    def __init__(self, policy: Any, ref: Any):
+        self.policy, self.ref = policy, ref
+
+    @property
+    def offset(self):
+        return self.policy.offset
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        return self.policy.make_mask(*args, **kwargs)
+
+
+def _follow(cache, prompt_lens):
+    if isinstance(cache, TwinCache):
+        return TwinCache(_follow(cache.policy, prompt_lens), _follow(cache.ref, prompt_lens))
+    return ResponseCache(cache, prompt_lens)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[int]:
+    """The base model: every LoRA/DoRA layer swapped for the layer it wraps, then back."""
+    swapped = []
+    for path, module in model.named_modules():
+        if "lora_a" in module:
+            base = module.get("linear", module.get("embedding"))
+            if isinstance(base, nn.Module):
+                swapped.append((path, module, base))
+    model.update_modules(tree_unflatten([(p, b) for p, _, b in swapped]))
+    try:
+        yield len(swapped)
+    finally:
+        model.update_modules(tree_unflatten([(p, m) for p, m, _ in swapped]))
+
+
+class Twin:
+    """An adapted layer run twice: with its adapters on rows ``[:n]`` (the policy)
+    and without them on rows ``[n:]`` (the reference, no gradient). The first
+    twin (``first``) takes the frozen lower layers' rows once and doubles them."""
+
+    def __init__(self, layer: nn.Module, first: bool):
+        self.layer, self.first = layer, first
+
+    def __getattr__(self, name: str) -> Any:  # what the model's loop reads (use_sliding, ...)
+        return getattr(self.__dict__["layer"], name)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if self.first:
+            policy = ref = mx.stop_gradient(x)  # nothing below is trained
+        else:
+            n = x.shape[0] // 2
+            policy, ref = x[:n], x[n:]
+        pc, rc = (None, None) if cache is None else (cache.policy, cache.ref)
+        out = self.layer(policy, mask, pc)
+        with adapters_off(self.layer):
+            base = self.layer(mx.stop_gradient(ref), mask, rc)
+        return mx.concatenate([out, mx.stop_gradient(base)])
+
+
+@contextlib.contextmanager
+def _twins(model, top):
+    """The top ``top`` layers as ``Twin`` layers for the call, in the model's own list."""
+    layers = model.layers
+    n = len(layers)
+    kept = layers[n - top :] if top else []
+    for i, layer in enumerate(kept):
+        layers[n - top + i] = Twin(layer, first=i == 0)
+    try:
+        yield
+    finally:
+        if top:
+            layers[n - top :] = kept
+
+
 def _layers(model):
     return len(model.layers)
+
+
+def _rows(hidden, rows, top):
+    if hidden.shape[0] != rows * (2 if top else 1):  # a layer list the model does not run
+        raise ValueError("the model's forward does not run the layers of model.layers")
 
 
 def shared_hidden(
@@ -94,18 +188,29 @@ def shared_hidden(
     prompts: mx.array,
     prompt_lens: mx.array,
     responses: mx.array,
+    top: int = 0,
 ) -> mx.array:
     """``[2B, R, H]``: the hidden state that predicts each response token.
 
     Position 0 is the prompt's last real position (it predicts the first
-    response token); position ``t`` is response position ``t - 1``.
+    response token); position ``t`` is response position ``t - 1``. With
+    ``top``, ``[4B, R, H]``: the policy's rows, then the reference's.
     """
-    caches = [PromptCache() for _ in range(_layers(model))]
-    hp = arch.hidden(model, prompts, caches)  # [B, P, H]
-    last = mx.take_along_axis(hp, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, H]
-    follow = [ResponseCache(c, prompt_lens) for c in caches]
-    hr = arch.hidden(model, responses, follow)  # [2B, R, H]
-    return mx.concatenate([mx.concatenate([last, last]), hr[:, :-1]], axis=1)
+    n = _layers(model)
+    caches: List[Any] = [PromptCache() for _ in range(n - top)]
+    caches += [TwinCache(PromptCache(), PromptCache()) for _ in range(top)]
+    with _twins(model, top):
+        hp = arch.hidden(model, prompts, caches)  # [B, P, H] (twins: [2B, P, H])
+        follow = [_follow(c, prompt_lens) for c in caches]
+        hr = arch.hidden(model, responses, follow)  # [2B, R, H] (twins: [4B, R, H])
+    b = prompts.shape[0]
+    _rows(hr, 2 * b, top)
+    out = []
+    for i in range(2 if top else 1):
+        h, r = hp[i * b : (i + 1) * b], hr[2 * b * i : 2 * b * (i + 1)]
+        last = mx.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, H]
+        out.append(mx.concatenate([mx.concatenate([last, last]), r[:, :-1]], axis=1))
+    return mx.concatenate(out) if top else out[0]
 
 
 def joined(prompts: mx.array, prompt_lens: mx.array, responses: mx.array) -> mx.array:
@@ -132,11 +237,16 @@ def unshared_hidden(
     prompts: mx.array,
     prompt_lens: mx.array,
     responses: mx.array,
+    top: int = 0,
 ) -> mx.array:
     """What ``shared_hidden`` equals: two full sequences per pair, the prompt run twice."""
     seqs = joined(prompts, prompt_lens, responses)
-    hidden = arch.hidden(model, seqs)  # [2B, P + R, H]
+    with _twins(model, top):
+        hidden = arch.hidden(model, seqs)  # [2B, P + R, H] (twins: [4B, P + R, H])
+    _rows(hidden, seqs.shape[0], top)
     where = _response_positions(prompt_lens, responses.shape[1])
+    if top:
+        where = mx.concatenate([where, where])
     return mx.take_along_axis(hidden, where[..., None], axis=1)
 
 
@@ -168,12 +278,92 @@ def check(model: Any, arch: backbone.Arch, vocab: int) -> Tuple[bool, str]:
         got = shared_hidden(model, arch, prompts, plens, responses)
         want = unshared_hidden(model, arch, prompts, plens, responses)
         # Compare where responses are real in both (here: every position).
-        err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
+        err = _error(got, want)
     except Exception as e:  # a model whose attention cannot take the per-row mask
         return False, f"{type(e).__name__}: {e}"
     finally:
         model.train(was_training)
-    tol = 1e-3 if want.dtype == mx.float32 else 5e-2
+    return _verdict(err, want.dtype, "matches two full sequences")
+
+
+def _error(got, want):
+    return (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
+
+
+def _verdict(err, dtype, what):
+    tol = 1e-3 if dtype == mx.float32 else 5e-2
     if not err <= tol:
         return False, f"hidden states differ by {err:.3g} (tolerance {tol:g})"
-    return True, f"matches two full sequences (max relative error {err:.2g})"
+    return True, f"{what} (max relative error {err:.2g})"
+
+
+def check_reference(
+    model: Any, arch: backbone.Arch, vocab: int, top: int, hidden_of: Any = shared_hidden
+) -> Tuple[bool, str]:
+    """Whether ``hidden_of(..., top)`` gives the model's hidden states, then the
+    model's without its adapters, on a short probe."""
+    was_training = model.training
+    model.eval()
+    try:
+        prompts, plens, responses = _probe(vocab)
+        got = hidden_of(model, arch, prompts, plens, responses, top)
+        policy = hidden_of(model, arch, prompts, plens, responses)
+        with adapters_off(model):
+            base = hidden_of(model, arch, prompts, plens, responses)
+        want = mx.concatenate([policy, base])
+        err = _error(got, want)
+    except Exception as e:  # a layer loop the twins do not fit
+        return False, f"{type(e).__name__}: {e}"
+    finally:
+        model.train(was_training)
+    return _verdict(err, want.dtype, "matches the model with and without its adapters")
+
+
+def adapted_top(model: nn.Module) -> Tuple[int, str]:
+    """``(k, why)``: every trained weight lies in adapters of the top ``k`` layers
+    and none below, so the base model's lower layers are the policy's; ``k`` is
+    0 (with the reason) when the model does not split so."""
+    layers = list(model.layers)
+    index = {id(layer): i for i, layer in enumerate(layers)}
+    owner, adapters = {}, []
+    for path, module in model.named_modules():
+        if id(module) in index:
+            owner[path] = index[id(module)]
+        if "lora_a" in module:
+            adapters.append(path)
+    if not adapters:
+        return 0, "no adapters: the trained weights are the reference's own"
+    trained = [k for k, _ in tree_flatten(model.trainable_parameters())]
+    outside = [k for k in trained if not any(k.startswith(a + ".") for a in adapters)]
+    if outside:
+        return 0, f"weights outside the adapters are trained ({outside[0]})"
+    where = []
+    for a in adapters:
+        at = [i for p, i in owner.items() if a.startswith(p + ".")]
+        if not at:
+            return 0, f"an adapter outside the layers ({a})"
+        where.append(at[0])
+    top = len(layers) - min(where)
+    if top == len(layers):
+        return 0, "adapters on every layer"
+    return top, f"adapters on the top {top} of {len(layers)} layers"
+
+
+def _dense_size(module):
+    """Weights a token multiplies by (a quantized matrix counted unpacked)."""
+    n = 0
+    for _, m in module.named_modules():
+        w = m.get("weight")
+        if isinstance(w, mx.array) and w.ndim == 2:
+            n += w.size * (32 // m.bits if "scales" in m else 1)
+    return n
+
+
+def reference_share(model: nn.Module, vocab: int, top: int) -> float:
+    """About what the reference in the step costs against a forward: the top
+    ``top`` layers and the head (``vocab`` x hidden) against all layers and the head."""
+    layer = _dense_size(model.layers[0])  # a lower layer: no adapters
+    hidden = mx.zeros((1, 1), mx.int32)
+    _, arch = backbone.resolve(model)
+    head = vocab * arch.hidden(model, hidden).shape[-1]
+    return (top * layer + head) / (len(model.layers) * layer + head)

@@ -648,3 +648,143 @@ def test_validation_is_a_mean_over_pairs(name):
         iterate_batches=pairs.iterate_batches,
     )
     assert got == pytest.approx(sum(per_batch) / 3, rel=1e-4)
+
+
+# ------------------------------------------------ the reference in the step
+
+
+def _adapted(model, layers, seed=2, **params):
+    """``model`` frozen, with LoRA (or DoRA) on its top ``layers`` layers that change
+    its output (random ``lora_b``, as training leaves them)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model.freeze()
+    config = {"rank": 4, "dropout": 0.0, "scale": 10.0}
+    linear_to_lora_layers(model, layers, config, use_dora=params.get("dora", False))
+    mx.random.seed(seed)
+    for _, m in model.named_modules():
+        if "lora_b" in m:
+            m.lora_b = 0.02 * mx.random.normal(m.lora_b.shape)
+    mx.eval(model.parameters())
+    return model
+
+
+def _both_ways(model, data, caplog, **kw):
+    """``(in-step loss, precomputed loss)`` of DPO on ``data``, and what the log said."""
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        caplog.clear()
+        in_step = preference.make_loss(model, "dpo", sets=[data], batch_size=2, **kw)
+        said = caplog.text
+    pre = preference.make_loss(
+        model, "dpo", sets=[data], batch_size=2, reads=preference.PRECOMPUTE, **kw
+    )
+    return in_step, pre, said
+
+
+def _grads(model, loss, batch):
+    value, grads = nn.value_and_grad(model, lambda m, *b: loss(m, *b)[0])(model, *batch)
+    return value, tree_flatten(grads)
+
+
+@pytest.fixture(scope="module")
+def smollm2_top4(smollm2_f32_path):
+    """The real SmolLM2-135M float32, LoRA on its top 4 of 30 layers."""
+    from mlx_lm import load
+
+    model, _ = load(str(smollm2_f32_path))
+    return _adapted(model, 4)
+
+
+def test_reference_in_the_step_equals_the_precomputed_pass(smollm2_top4, caplog):
+    """SmolLM2, LoRA on the top 4 layers: the step's reference log-probs, loss,
+    metrics and gradients equal those of the pass before training, in training
+    and in evaluation, and the reference is not the policy."""
+    model, data = smollm2_top4, _pair_set(4, seed=3)
+    in_step, pre, said = _both_ways(model, data, caplog, backend="mlx")
+    assert "reference log-probs in each step" in said, said
+    assert "adapters on the top 4 of 30 layers" in said
+    assert all(p.ref is not None for p in data.pairs)  # filled by the precomputed loss only
+    prompts, plens, responses, rlens, refs = pairs.collate(data.pairs)
+    token_logps = preference.make_token_logps(model, check=False, backend="mlx")
+    model.eval()
+    policy, ref = token_logps(model, prompts, plens, responses, top=4)
+    ref = preference.sequence_logps(ref, rlens)
+    assert near(ref, mx.concatenate([refs[:, 0], refs[:, 1]]), 1e-6)
+    assert not near(preference.sequence_logps(policy, rlens), ref, 1e-3)  # adapters matter
+    batch = (prompts, plens, responses, rlens, refs)
+    for training in (False, True):  # validation / test, then the training step
+        model.train(training)
+        a, b = in_step(model, *batch), pre(model, *batch)
+        assert a[0].item() == pytest.approx(b[0].item(), rel=1e-5, abs=1e-6)
+        assert near(a[2], b[2], 1e-5) and a[1].item() == b[1].item()
+    (va, ga), (vb, gb) = _grads(model, in_step, batch), _grads(model, pre, batch)
+    assert va.item() == pytest.approx(vb.item(), rel=1e-5) and len(ga) == len(gb) > 0
+    for (ka, xa), (kb, xb) in zip(ga, gb, strict=True):
+        assert ka == kb and near(xa, xb, 1e-5), ka
+    model.train(False)
+
+
+@pytest.mark.parametrize(
+    "arch, share_prompt, dora",
+    [("llama", True, False), ("gpt2", True, False), ("llama", False, False), ("qwen3", True, True)],
+)
+def test_reference_in_the_step_across_layouts(arch, share_prompt, dora, caplog):
+    """Other layer loops, two full sequences per pair (``--grad-checkpoint``), DoRA:
+    the step's reference equals the pass's."""
+    layers = {"gpt2": {"n_layer": 3}}.get(arch, {"num_hidden_layers": 3})
+    model = _adapted(_model(arch, **layers), 2, dora=dora)
+    data = _pair_set(4, seed=4)
+    in_step, pre, said = _both_ways(model, data, caplog, backend="mlx", share_prompt=share_prompt)
+    assert "reference log-probs in each step" in said and "top 2 of 3 layers" in said, said
+    batch = pairs.collate(data.pairs)
+    model.train()
+    (va, ga), (vb, gb) = _grads(model, in_step, batch), _grads(model, pre, batch)
+    assert va.item() == pytest.approx(vb.item(), rel=1e-5)
+    for (_, xa), (_, xb) in zip(ga, gb, strict=True):
+        assert near(xa, xb, 1e-5)
+
+
+def _precomputed_because(model, caplog, **kw):
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        caplog.clear()
+        loss = preference.make_loss(
+            model, "dpo", sets=[_pair_set(4)], batch_size=2, backend="mlx", **kw
+        )
+    assert "reference log-probs in each step" not in caplog.text
+    assert "reference log-probs of 4 pairs" in caplog.text  # the pass ran
+    return loss, caplog.text
+
+
+def test_the_pass_runs_where_the_step_cannot_compute_the_reference(caplog):
+    every = _adapted(_model("llama"), 2)  # 2 of 2 layers
+    _, said = _precomputed_because(every, caplog)
+    assert "precomputed before training (adapters on every layer)" in said
+    top = _adapted(_model("llama", num_hidden_layers=3), 1)
+    top.layers[1].unfreeze()  # a full fine-tune of a layer below the adapters
+    _, said = _precomputed_because(top, caplog)
+    assert "weights outside the adapters are trained (model.layers.1." in said
+    mx.random.seed(1)
+    other = _model("llama", num_hidden_layers=3)
+    _, said = _precomputed_because(
+        _adapted(_model("llama", num_hidden_layers=3), 1), caplog, reference_model=other
+    )
+    assert "precomputed before training (--reference-model" in said
+    # a run that reads each pair many times over: one forward per pair costs less
+    _, said = _precomputed_because(
+        _adapted(_model("llama", num_hidden_layers=3), 1), caplog, reads=40
+    )
+    assert "the run reads its 4 pairs 10.0 times" in said
+
+
+def test_reads_counts_what_the_run_reads():
+    import argparse
+
+    sets = [_pair_set(7, name="train.jsonl"), _pair_set(5, name="valid.jsonl")]
+    sets.append(_pair_set(3, name="test.jsonl"))
+    args = argparse.Namespace(
+        iters=10, batch_size=2, steps_per_eval=4, val_batches=-1, test_batches=1
+    )
+    # 10 steps of 2; validations at steps 1, 4, 8, 10 of 2 full batches; 1 test batch
+    assert pairs.reads(args, sets) == 20 + 4 * 4 + 2
+    args.val_batches = 1
+    assert pairs.reads(args, sets[:2]) == 20 + 4 * 2
