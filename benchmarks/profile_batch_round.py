@@ -206,7 +206,14 @@ def probe(model, prompt, B, widths, repeats=10):
         print(f"| {name} | " + " | ".join(f"{1e3 * by[W]:.2f}" for W in widths) + " |")
 
 
-def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1):
+class Silent(NGramDrafter):
+    """A drafter that never proposes: our generator's cost where nothing is drafted."""
+
+    def draft(self, ctx, n):
+        return [], None
+
+
+def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control=""):
     """Stock and ours in turn, ``repeats`` times (ours on one generator, as a
     server keeps one: what its controller learnt carries over); the ratio of
     the medians, and each turn's."""
@@ -216,7 +223,7 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1):
         for p in pool[:C]
     ]
     decode(BatchGenerator(model), prompts, 8)  # warm up
-    drafter = NGramDrafter(tree=tree)
+    drafter = Silent(tree=tree) if control == "silent" else NGramDrafter(tree=tree)
     decode(batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft), prompts, 32)
     gen = batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft)
     rec = Recorder()
@@ -226,7 +233,8 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1):
             stock, calls = decode(BatchGenerator(model), prompts, max_tokens)
             stock_calls += calls
             s_rates.append(sum(len(t) for t in stock) / sum(calls))
-            ours, our_calls = decode(gen, prompts, max_tokens)
+            other = BatchGenerator(model) if control == "stock" else gen
+            ours, our_calls = decode(other, prompts, max_tokens)
             o_rates.append(sum(len(t) for t in ours) / sum(our_calls))
             same = same and ours == stock
     finally:
@@ -258,6 +266,13 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--draft-tree", choices=["auto", "off"], default="auto")
     ap.add_argument("--kinds", default="grounded", help="grounded and/or open prompts")
+    ap.add_argument(
+        "--control",
+        choices=["stock", "silent"],
+        default="",
+        help="a control run in ours' place: stock again (the order's effect), or our "
+        "generator with a drafter that never proposes (its cost without drafts)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="turns of stock and ours per cell")
     ap.add_argument(
         "--probe",
@@ -285,7 +300,16 @@ def main():
         return
     for kind in kinds:
         for C in levels:
-            run(model, tok, C, args.max_tokens, args.draft_tree != "off", kind, args.repeats)
+            run(
+                model,
+                tok,
+                C,
+                args.max_tokens,
+                args.draft_tree != "off",
+                kind,
+                args.repeats,
+                args.control,
+            )
 
 
 if __name__ == "__main__":
