@@ -468,7 +468,7 @@ class SpecGenerationBatch(GenerationBatch):
         """Each row's window (pending token, drafts or tree nodes, padding to
         the widest), its parents (a chain: i - 1) and its size before padding."""
         B = len(drafts)
-        W = target_mod.padded_width(1 + max(len(d) for d in drafts), self.spec.widths)
+        W = target_mod.padded_width(1 + max(len(d) for d in drafts), self.spec.widths, B)
         windows, parents, sizes = [], [], []
         trees_pay = any(t is not None for t in trees) and self.spec.ctl.trees_pay(B)
         for i, d in enumerate(drafts):

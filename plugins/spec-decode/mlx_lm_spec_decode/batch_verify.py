@@ -400,7 +400,7 @@ class BatchController:
                 expected_tokens(a, min(g, n)) for a, n in zip(alphas, proposed, strict=True)
             )
             # A window is padded up to the next of ``widths``: its columns all cost.
-            rate = tokens / (p + extra + b * (target_mod.padded_width(g + 1, self.widths) - 1))
+            rate = tokens / (p + extra + b * (target_mod.padded_width(g + 1, self.widths, B) - 1))
             if rate > best_rate:
                 best, best_rate = g, rate
         losing = bool(best) and self.losing(B, plain_rate)

@@ -34,6 +34,7 @@ EXPLICIT_MAX_QUERIES = 16
 POLICIES = ("auto", "fused", "explicit", "padded")
 AUTO_CUDA = "padded"
 GPU_WIDTHS = (4, 8, 12, 16)
+PAD_TOKENS = 16  # the most window tokens a batch is padded up to
 
 
 def attention_policy() -> str:
@@ -54,12 +55,13 @@ def _on_gpu() -> bool:
 def window_widths() -> tuple:
     """The widths a batched verify window is padded up to (empty: its own).
 
-    A GPU runs each shape it meets through its own kernels and executable
-    graphs, and an adaptive draft length meets up to fifteen widths; padded
-    to a few, rounds reuse what earlier rounds built. A memory-bound forward
-    costs about the same at 4 and 16 tokens, so the padding is nearly free
-    there; on a CPU each column costs compute, so windows keep their width.
-    MLX_LM_SPEC_WIDTHS (comma-separated, or ``off``) overrides."""
+    On a GPU a memory-bound forward costs about the same at 1 and 16 tokens,
+    so a window padded to a few widths costs nothing more, holds more
+    token-tree nodes (``RowTree.fill``) and meets fewer shapes (kernels and
+    executable graphs built once each), up to ``PAD_TOKENS`` tokens a batch
+    (``padded_width``); past that, and on a CPU, where each column costs
+    compute, windows keep their width. MLX_LM_SPEC_WIDTHS (comma-separated,
+    or ``off``) overrides."""
     how = os.environ.get("MLX_LM_SPEC_WIDTHS", "auto").strip().lower() or "auto"
     if how == "auto":
         return GPU_WIDTHS if _on_gpu() else ()
@@ -74,9 +76,13 @@ def window_widths() -> tuple:
     return widths
 
 
-def padded_width(width: int, widths: tuple) -> int:
-    """``width`` rounded up to the next of ``widths`` (itself past the largest)."""
-    return next((w for w in widths if w >= width), width)
+def padded_width(width: int, widths: tuple, rows: int = 1) -> int:
+    """``width`` rounded up to the next of ``widths`` (itself past the
+    largest), where the batch's ``rows`` padded windows hold at most
+    ``PAD_TOKENS`` tokens: beyond that a forward's cost grows with its
+    tokens, and padding would cost what it saves."""
+    w = next((w for w in widths if w >= width), width)
+    return w if rows * w <= PAD_TOKENS else width
 
 
 def explicit_attention(

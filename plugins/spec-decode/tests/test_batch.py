@@ -557,3 +557,55 @@ def test_a_long_plain_run_after_rounds_squeezes_their_holes_out(llama, monkeypat
     assert_same(stock, drive(gen, prompts, [60, 60, 60]))
     assert sum(s.draft_rounds for s in rows) > 0 and any(s.drafted > s.accepted for s in rows)
     assert any(holey) and not any(holey[-20:])
+
+
+def test_padded_windows_match_stock_and_stay_within_the_token_budget(llama, monkeypatch):
+    """Windows padded up to a few widths (as on a GPU, here forced with
+    MLX_LM_SPEC_WIDTHS): outputs and caches stay stock's, every round's
+    width is one of the widths where the batch's padded windows fit
+    ``PAD_TOKENS``, and its own width where they would not."""
+    from mlx_lm_spec_decode import target as target_mod
+
+    monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", "4,8")
+    model, tok = llama
+    prompts, late, kw, stock = greedy_case(model, tok)
+    from mlx_lm_spec_decode.batch import SpecGenerationBatch
+
+    rounds = []
+    check = SpecGenerationBatch._check
+
+    def spy(self, inputs, windows, *a):
+        rounds.append((len(windows), len(windows[0])))
+        return check(self, inputs, windows, *a)
+
+    monkeypatch.setattr(SpecGenerationBatch, "_check", spy)
+    gen = SpecBatchGenerator(model, NGramDrafter(n_min=1, auto_off=False), 4, 10)
+    assert gen.spec.widths == (4, 8)
+    ours = drive(gen, prompts, [40, 25, 60], late, **kw)
+    assert_same(stock, ours)
+    assert rounds
+    for b, w in rounds:
+        # A bucket within the budget, or its own width where the bucket above is not.
+        up = next((p for p in (4, 8) if p >= w), None)
+        if w == up:
+            assert b * w <= target_mod.PAD_TOKENS, (b, w)
+        else:
+            assert up is None or b * up > target_mod.PAD_TOKENS, (b, w)
+    assert any(w in (4, 8) for _, w in rounds)
+
+
+def test_window_widths_follow_the_device_and_the_override(monkeypatch):
+    from mlx_lm_spec_decode import target as target_mod
+
+    monkeypatch.delenv("MLX_LM_SPEC_WIDTHS", raising=False)
+    assert target_mod.window_widths() == ()  # the CPU: windows keep their width
+    monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", "8,4")
+    assert target_mod.window_widths() == (4, 8)
+    assert target_mod.padded_width(3, (4, 8), rows=2) == 4
+    assert target_mod.padded_width(5, (4, 8), rows=2) == 8
+    assert target_mod.padded_width(5, (4, 8), rows=4) == 5  # 32 tokens: past the budget
+    assert target_mod.padded_width(9, (4, 8), rows=1) == 9  # past the largest
+    for bad in ("1,4", "x", "0"):
+        monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", bad)
+        with pytest.raises(ValueError, match="MLX_LM_SPEC_WIDTHS"):
+            target_mod.window_widths()
