@@ -2,19 +2,23 @@
 
 A batch of pairs is ``prompts [B, P]`` (right-padded, real lengths
 ``prompt_lens [B]``) and ``responses [2B, R]`` (the B chosen responses, then
-the B rejected ones, right-padded). ``shared_hidden`` runs the prompts
-through the model once, keeping each layer's keys and values, then runs all
-2B responses in one forward that attends to its own prompt's keys: row ``b``
-and row ``B + b`` both continue prompt ``b``. The hand-over is mlx-lm's own
+the B rejected ones, right-padded). ``shared_hidden`` runs the prompts but
+their last real token through the model once, keeping each layer's keys and
+values, then runs all 2B responses in one forward that attends to its own
+prompt's keys: row ``b`` and row ``B + b`` both continue prompt ``b``, each
+from the prompt's last token to its own last but one, so every position it
+computes predicts a response token and the prompt pass's output is never
+read (MLX then runs its last layer only as far as the keys and values, and
+the head only on response tokens). The hand-over is mlx-lm's own
 cache interface (``update_and_fetch``, ``offset``, ``make_mask``), so no model
 code changes:
 
 - the prompt pass records each layer's keys and values and masks as mlx-lm
   would without a cache (causal, or a sliding window);
 - the response pass puts the prompt's keys in front of its own, at positions
-  that continue each row's real prompt (``offset`` is the ``[2B]`` array of
-  prompt lengths, which RoPE and gpt2's position table take per row), and a
-  mask per row hides the prompt's padding.
+  that continue each row's prompt (``offset`` is the ``[2B]`` array of
+  prompt lengths less one, which RoPE and gpt2's position table take per
+  row), and a mask per row hides the prompt's padding.
 
 Nothing is written in place, so gradients flow back through the prompt's
 keys and values into the prompt pass: log-probs and gradients equal two full
@@ -195,22 +199,25 @@ def shared_hidden(
     Position 0 is the prompt's last real position (it predicts the first
     response token); position ``t`` is response position ``t - 1``. With
     ``top``, ``[4B, R, H]``: the policy's rows, then the reference's.
+
+    The prompt's last real token runs with the responses (the response pass
+    reads ``[last, response[:-1]]`` from ``prompt_lens - 1`` on), so the
+    prompt pass's output is never read: MLX computes its last layer only as
+    far as that layer's keys and values, and no position runs for nothing.
     """
-    n = _layers(model)
+    n, b = _layers(model), prompts.shape[0]
     caches: List[Any] = [PromptCache() for _ in range(n - top)]
     caches += [TwinCache(PromptCache(), PromptCache()) for _ in range(top)]
+    before = prompt_lens - 1  # real prompt tokens in the prompt pass
+    last = mx.take_along_axis(prompts, before[:, None], axis=1)  # [B, 1]
+    inputs = mx.concatenate([mx.concatenate([last, last]), responses[:, :-1]], axis=1)
     with _twins(model, top):
-        hp = arch.hidden(model, prompts, caches)  # [B, P, H] (twins: [2B, P, H])
-        follow = [_follow(c, prompt_lens) for c in caches]
-        hr = arch.hidden(model, responses, follow)  # [2B, R, H] (twins: [4B, R, H])
-    b = prompts.shape[0]
-    _rows(hr, 2 * b, top)
-    out = []
-    for i in range(2 if top else 1):
-        h, r = hp[i * b : (i + 1) * b], hr[2 * b * i : 2 * b * (i + 1)]
-        last = mx.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, H]
-        out.append(mx.concatenate([mx.concatenate([last, last]), r[:, :-1]], axis=1))
-    return mx.concatenate(out) if top else out[0]
+        # keys and values only; column P - 1 holds at most a row's ``last``
+        arch.hidden(model, prompts[:, : max(prompts.shape[1] - 1, 1)], caches)
+        follow = [_follow(c, before) for c in caches]
+        hidden = arch.hidden(model, inputs, follow)  # [2B, R, H] (twins: [4B, R, H])
+    _rows(hidden, 2 * b, top)
+    return hidden
 
 
 def joined(prompts: mx.array, prompt_lens: mx.array, responses: mx.array) -> mx.array:
@@ -240,7 +247,7 @@ def unshared_hidden(
     top: int = 0,
 ) -> mx.array:
     """What ``shared_hidden`` equals: two full sequences per pair, the prompt run twice."""
-    seqs = joined(prompts, prompt_lens, responses)
+    seqs = joined(prompts, prompt_lens, responses)[:, :-1]  # the last token predicts nothing
     with _twins(model, top):
         hidden = arch.hidden(model, seqs)  # [2B, P + R, H] (twins: [4B, P + R, H])
     _rows(hidden, seqs.shape[0], top)

@@ -3,6 +3,7 @@
 import json
 import logging
 import math
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -774,6 +775,56 @@ def test_the_pass_runs_where_the_step_cannot_compute_the_reference(caplog):
         _adapted(_model("llama", num_hidden_layers=3), 1), caplog, reads=40
     )
     assert "the run reads its 4 pairs 10.0 times" in said
+
+
+def _matmuls(tmp_path, *arrays):
+    """How many matrix products MLX would run to evaluate ``arrays`` (their graph)."""
+    dot = tmp_path / "graph.dot"
+    mx.export_to_dot(str(dot), *arrays)
+    return len(re.findall(r'label ="Matmul"', dot.read_text()))
+
+
+def test_no_layer_runs_for_nothing(tmp_path):
+    """Every position the shared forward computes predicts a response token: the
+    prompt pass's output is never read, so its last layer runs only its key and
+    value projections (a llama layer: 7 projections and 2 attention products)."""
+    layers = 3
+    model = _model("llama", num_hidden_layers=layers)
+    _, arch_ = backbone.resolve(model)
+    per_layer = _matmuls(tmp_path, arch_.hidden(model, mx.zeros((2, 5), mx.int32))) // layers
+    assert per_layer == 9
+    prompts, plens, responses, _ = _batch()
+    hidden = shared_prompt.shared_hidden(model, arch_, prompts, plens, responses)
+    # responses: every layer; prompts: every layer but the last, then its k and v
+    assert _matmuls(tmp_path, hidden) == (2 * layers - 1) * per_layer + 2
+
+
+def test_reference_in_the_step_costs_base_layers_and_no_backward(tmp_path):
+    """The reference half runs the top ``k`` layers without their adapters (no LoRA
+    product at all), and the step's backward pass does nothing for it: it adds as
+    many products to the step as to the forward."""
+    model = _adapted(_model("llama", num_hidden_layers=3), 2)
+    _, arch_ = backbone.resolve(model)
+    batch = _batch()
+    with_ref = shared_prompt.shared_hidden(model, arch_, *batch[:3], top=2)
+    policy = shared_prompt.shared_hidden(model, arch_, *batch[:3])
+    # the top 2 base layers on the responses, the one below the last on the prompt, k and v
+    assert _matmuls(tmp_path, with_ref) - _matmuls(tmp_path, policy) == 3 * 9 + 2
+    data = _pair_set(4, seed=4)
+    in_step = preference.make_loss(model, "dpo", sets=[data], batch_size=2, backend="mlx")
+    pre = preference.make_loss(
+        model, "dpo", sets=[data], batch_size=2, backend="mlx", reads=preference.PRECOMPUTE
+    )
+    assert in_step.reference_layers == 2
+    batch = pairs.collate(data.pairs)
+    model.train()
+    forward, step = [], []
+    for loss in (in_step, pre):
+        forward.append(_matmuls(tmp_path, loss(model, *batch)[0]))
+        value, grads = nn.value_and_grad(model, lambda m, *b, f=loss: f(m, *b)[0])(model, *batch)
+        step.append(_matmuls(tmp_path, value, *(g for _, g in tree_flatten(grads))))
+    assert forward[0] > forward[1] and step[0] - step[1] == forward[0] - forward[1]
+    model.train(False)
 
 
 def test_reads_counts_what_the_run_reads():
