@@ -10,8 +10,9 @@ share of the node times the row's acceptance per level, a parent before its
 children). A branch therefore costs the batch nothing it was not already
 paying; a row with nothing else to propose keeps its chain.
 
-The forward is mlx-lm's batched one with two things swapped for its
-duration, as ``tree.attention`` does for one request:
+The forward is ``tree.batch_forward``, the one tree forward of both drivers
+(a request is B = 1): mlx-lm's batched forward with two things swapped for
+its duration:
 
 - rope: row b's node j sits at ``offset[b] + depth[b][j]`` (the nodes move
   into the batch axis, where mlx-lm's rope takes one offset per row);
@@ -25,17 +26,15 @@ moves the accepted path's entries to the front of the row's window before
 the usual ragged rollback drops the rest.
 """
 
-import contextlib
 import logging
 import weakref
-from typing import Any, Iterator, List, Tuple
+from typing import Any, List, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from mlx_lm_ext import api as host
 
-from . import target as target_mod
 from . import tree as tree_mod
 
 log = logging.getLogger("mlx_lm_spec_decode")
@@ -69,60 +68,6 @@ class RowTree:
 # ------------------------------------------------------------ the forward
 
 
-@contextlib.contextmanager
-def attention(model: Any, parents: List[List[int]], policy: str = "fused") -> Iterator[None]:
-    """Within the block, a batched forward of ``model`` over ``[B, W]`` is a
-    tree forward per row (``parents[b]``: W entries, a parent before its child).
-    ``policy``: the fused op, or (``explicit``) matmuls, as ``target`` says."""
-    B, W = len(parents), len(parents[0])
-    depth = mx.array([tree_mod.depths(p) for p in parents], mx.int32)
-    anc = mx.stack([tree_mod.ancestors(p) for p in parents])[:, None]
-
-    def rope(orig):
-        def rotate(x, offset=0):
-            if (
-                x.ndim != 4
-                or x.shape[0] != B
-                or x.shape[2] != W
-                or not isinstance(offset, mx.array)
-                or offset.size != B
-            ):
-                return orig(x, offset=offset)
-            H, D = x.shape[1], x.shape[3]
-            flat = x.transpose(0, 2, 1, 3).reshape(B * W, H, 1, D)
-            pos = (offset.reshape(B, 1) + depth).reshape(-1)
-            return orig(flat, offset=pos).reshape(B, W, H, D).transpose(0, 2, 1, 3)
-
-        return rotate
-
-    combined: dict = {}  # one mask per forward, shared by its layers
-
-    def sdpa(orig):
-        def tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-            if (
-                sinks is not None
-                or queries.shape[0] != B
-                or queries.shape[2] != W
-                or not isinstance(mask, mx.array)
-            ):
-                return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-            s = keys.shape[2]
-            key = (id(mask), s)
-            if key not in combined:
-                full = mx.concatenate([mx.ones((B, 1, W, s - W), mx.bool_), anc], axis=-1)
-                combined[key] = (mask, mask & full)  # the mask is held: its id stays its own
-            both = combined[key][1]
-            if policy == "fused":
-                return orig(queries, keys, values, cache=cache, scale=scale, mask=both)
-            return target_mod.explicit_attention(queries, keys, values, scale, both)
-
-        return tree_sdpa
-
-    with host.override_rope(host.rope_modules(model), rope):
-        with host.override_attention(model, sdpa):
-            yield
-
-
 def forward(
     model: Any,
     caches: List[Any],
@@ -130,9 +75,9 @@ def forward(
     parents: List[List[int]],
     policy: str = "fused",
 ):
-    """Logits ``[B, W, V]`` of one batched tree forward."""
-    with attention(model, parents, policy):
-        return model(mx.array(windows, mx.uint32), cache=caches)
+    """Logits ``[B, W, V]`` of one batched tree forward: ``tree.batch_forward``,
+    the one tree forward of both drivers."""
+    return tree_mod.batch_forward(model, caches, windows, parents, policy)
 
 
 # ------------------------------------------------- does this model fit

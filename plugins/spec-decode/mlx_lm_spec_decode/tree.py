@@ -188,36 +188,56 @@ def drafts_trees(drafter: Any) -> bool:
 
 
 @contextlib.contextmanager
-def attention(model: Any, parents: list[int], policy: str) -> Iterator[None]:
-    """Within the block, a forward of ``model`` over ``len(parents)`` tokens
-    is a tree forward: node positions by depth, attention to ancestors."""
-    n = len(parents)
-    pos = mx.array(depths(parents), mx.int32)
-    anc = ancestors(parents)
-    masks: dict[int, mx.array] = {}
+def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> Iterator[None]:
+    """Within the block, a forward of ``model`` over ``[B, W]`` tokens is a
+    tree forward per row (``parents[b]``: W entries, a parent before its
+    child): row b's node j at position ``offset[b] + depth[b][j]``, seeing
+    the cache (as the cache's own mask allows: a batch's left padding and
+    holes) and its own ancestors. One request is B = 1 on a plain cache
+    (an int offset, no mask array); a batch, mlx-lm's batch caches (one
+    offset per row, a mask array). ``policy``: the fused op, or
+    (``explicit``) matmuls, as ``target`` says."""
+    B, W = len(parents), len(parents[0])
+    depth = mx.array([depths(p) for p in parents], mx.int32)
+    anc = mx.stack([ancestors(p) for p in parents])[:, None]
 
     def rope(orig):
         def rotate(x, offset=0):
-            if x.ndim != 4 or x.shape[0] != 1 or x.shape[2] != n or not isinstance(offset, int):
+            if isinstance(offset, int):
+                offset = mx.full((B,), offset, mx.int32)
+            ours = x.ndim == 4 and x.shape[0] == B and x.shape[2] == W
+            if not ours or not isinstance(offset, mx.array) or offset.size != B:
                 return orig(x, offset=offset)
-            return orig(x.swapaxes(0, 2), offset=offset + pos).swapaxes(0, 2)
+            H, D = x.shape[1], x.shape[3]
+            flat = x.transpose(0, 2, 1, 3).reshape(B * W, H, 1, D)
+            pos = (offset.reshape(B, 1) + depth).reshape(-1)
+            return orig(flat, offset=pos).reshape(B, W, H, D).transpose(0, 2, 1, 3)
 
         return rotate
 
+    combined: dict = {}  # one mask per forward and cache length, shared by its layers
+
     def sdpa(orig):
         def tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-            if sinks is not None or queries.shape[2] != n:
+            ours = queries.shape[0] == B and queries.shape[2] == W
+            if (
+                sinks is not None
+                or not ours
+                or not (mask is None or isinstance(mask, (str, mx.array)))
+            ):
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
             s = keys.shape[2]
-            full = masks.get(s)
-            if full is None:
-                full = masks[s] = mx.concatenate([mx.ones((n, s - n), mx.bool_), anc], axis=1)[
-                    None, None
-                ]
+            key = (id(mask) if isinstance(mask, mx.array) else None, s)
+            if key not in combined:
+                full = mx.concatenate([mx.ones((B, 1, W, s - W), mx.bool_), anc], axis=-1)
+                # A mask array is held with its combination: its id stays its own.
+                both = mask & full if isinstance(mask, mx.array) else full
+                combined[key] = (mask, both)
+            both = combined[key][1]
             if policy == "fused":
-                return orig(queries, keys, values, cache=cache, scale=scale, mask=full)
+                return orig(queries, keys, values, cache=cache, scale=scale, mask=both)
             # CUDA half precision: matmuls, not a cuDNN graph per cache length.
-            return target_mod.explicit_attention(queries, keys, values, scale, full)
+            return target_mod.explicit_attention(queries, keys, values, scale, both)
 
         return tree_sdpa
 
@@ -226,10 +246,17 @@ def attention(model: Any, parents: list[int], policy: str) -> Iterator[None]:
             yield
 
 
-def forward(model: Any, cache: list[Any], tokens: list[int], parents: list[int], policy: str):
-    """Logits ``[n, V]`` of a tree forward (the caches grow by ``n``)."""
+def batch_forward(
+    model: Any, caches: list[Any], windows: list[list[int]], parents: list[list[int]], policy: str
+) -> mx.array:
+    """Logits ``[B, W, V]`` of one tree forward per row (the caches grow by W)."""
     with attention(model, parents, policy):
-        return model(mx.array(tokens, mx.uint32)[None], cache=cache)[0]
+        return model(mx.array(windows, mx.uint32), cache=caches)
+
+
+def forward(model: Any, cache: list[Any], tokens: list[int], parents: list[int], policy: str):
+    """Logits ``[n, V]`` of one request's tree forward (the caches grow by ``n``)."""
+    return batch_forward(model, cache, [tokens], [parents], policy)[0]
 
 
 # ------------------------------------------------- does this model fit
