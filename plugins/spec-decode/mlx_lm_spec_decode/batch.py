@@ -54,7 +54,8 @@ from . import target as target_mod
 from . import tree as tree_mod
 from .batch_verify import BatchController, verify
 from .drafter import DraftContext
-from .ragged import RaggedKVCache, keep_paths, ragged, rollback
+from .ragged import RaggedKVCache, ragged
+from .ragged import keep as keep_rows
 
 log = logging.getLogger("mlx_lm_spec_decode")
 
@@ -427,8 +428,7 @@ class SpecGenerationBatch(GenerationBatch):
                 w[0] = tok
         accepted = [len(p) - 1 for p in paths]
         emitted, finish = self._cut(windows, paths)
-        keep_paths(self.prompt_cache, W, paths)
-        rollback(self.prompt_cache, [W - len(t) for t in emitted])
+        keep_rows(self.prompt_cache, W, [p[: len(t)] for p, t in zip(paths, emitted, strict=True)])
         responses, keep = [], []
         prev_lps = self._next_logprobs
         for i, row in enumerate(self.rows):

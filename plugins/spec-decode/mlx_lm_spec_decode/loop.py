@@ -35,7 +35,7 @@ from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from . import sampling, tree_verify
+from . import ragged, sampling, tree_verify
 from . import stats as stats_mod
 from . import target as target_mod
 from .controller import Controller, resume_watch
@@ -306,8 +306,7 @@ class VerifyLoop:
         self.misses = 0
         lp, hidden, a, target_tok = self._verify(drafts, q)
         d = drafts.tolist()
-        if k - a:
-            trim_prompt_cache(self.target_cache, k - a)
+        ragged.keep(self.target_cache, k + 1, [list(range(a + 1))])
         if self.trees is not None:
             self.trees.update(k, a)
         if hidden is not None:

@@ -201,3 +201,33 @@ def rollback(caches: List[RaggedKVCache], drop: List[int]) -> None:
         plan = first.squeeze_plan()
         for c in caches:
             c.squeeze(plan)
+
+
+def keep(caches: List[Any], width: int, paths: List[List[int]]) -> None:
+    """The one rollback of both drivers: of the last ``width`` entries fed,
+    row b keeps ``paths[b]`` (window indices, increasing, 0 first), moved
+    to the front in order, and forgets the rest. A batch's caches roll rows
+    back apart (``keep_paths``, ``rollback``); one request's plain caches
+    are row 0 (``keep_plain``)."""
+    if type(caches[0]) in (BatchKVCache, RaggedKVCache):
+        keep_paths(caches, width, paths)
+        rollback(caches, [width - len(p) for p in paths])
+    else:
+        keep_plain(caches, width, paths[0])
+
+
+def keep_plain(caches: List[Any], width: int, path: List[int]) -> None:
+    """One request's caches, ``width`` entries fed last, keep ``path``'s
+    (a tree's accepted path: gathered into place right after the prefix,
+    where their keys are already rotated at the path's depths); a chain's
+    prefix is a trim, which every trimmable cache takes."""
+    m = len(path)
+    if path != list(range(m)):
+        start = caches[0].offset - width
+        idx = mx.array(path, mx.int32) + start
+        for c in caches:
+            c.keys[..., start : start + m, :] = c.keys[..., idx, :]
+            c.values[..., start : start + m, :] = c.values[..., idx, :]
+    if width > m:
+        for c in caches:
+            c.trim(width - m)

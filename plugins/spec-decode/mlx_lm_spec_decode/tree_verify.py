@@ -16,11 +16,11 @@ the target accepts, and the cache left holding exactly that path.
   less the siblings already rejected; when all are rejected the token is
   drawn from what is left). Each emitted token is distributed exactly as
   the target's own.
-- The cache (``compact``): the tree forward appended every node; the
-  accepted path's entries (not contiguous in general) are gathered into
-  place right after the prefix, and the rest is trimmed. Keys there are
-  already rotated at the path's depths, i.e. at the positions a chain would
-  have given them.
+- The cache (``ragged.keep``, the rollback of both drivers): the tree
+  forward appended every node; the accepted path's entries (not contiguous
+  in general) are gathered into place right after the prefix, and the rest
+  is trimmed. Keys there are already rotated at the path's depths, i.e. at
+  the positions a chain would have given them.
 """
 
 import logging
@@ -29,26 +29,10 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from . import sampling
+from . import ragged, sampling
 from . import tree as tree_mod
 
 log = logging.getLogger("mlx_lm_spec_decode")
-
-
-# ------------------------------------------------------------- the cache
-
-
-def compact(caches: list[Any], start: int, fed: int, path: list[int]) -> None:
-    """Caches that hold ``start`` + ``fed`` tree nodes keep ``start`` + the
-    path's nodes, in path order."""
-    m = len(path)
-    if path != list(range(m)):
-        idx = mx.array(path, mx.int32) + start
-        for c in caches:
-            c.keys[..., start : start + m, :] = c.keys[..., idx, :]
-            c.values[..., start : start + m, :] = c.values[..., idx, :]
-    for c in caches:
-        c.trim(fed - m)
 
 
 # --------------------------------------------------------- one request
@@ -125,13 +109,12 @@ class TreeRounds:
         tokens, parents = self.pending
         self.pending = None
         loop.st.tree_rounds += 1
-        start = loop.target_cache[0].offset
         logits = tree_mod.forward(loop.model, loop.target_cache, tokens, parents, loop.attention)
         # The loop's context ends with its pending token, the tree's root.
         before = loop.context[:-1] if loop.context is not None else None
         lp = sampling.window_logprobs(logits, loop.logits_processors, before, tokens, parents)
         path, tok = sampling.accept(sampling.Window(tokens, parents), lp, loop.rule)
-        compact(loop.target_cache, start, len(tokens), path)
+        ragged.keep(loop.target_cache, len(tokens), [path])
         a = len(path) - 1
         out = [tokens[i] for i in path[1:]] + [int(tok)]
         self.update(len(tokens) - 1, a, bool(tree_mod.children(parents)[path[-1]]))

@@ -21,9 +21,9 @@ from mlx_lm_spec_decode import (
     SuffixCorpus,
     SuffixDrafter,
     last_stats,
+    ragged,
     sampling,
     speculative_generate_step,
-    tree_verify,
 )
 from mlx_lm_spec_decode import plugin as plugin_mod
 from mlx_lm_spec_decode import tree as tree_mod
@@ -116,7 +116,7 @@ def test_tree_forward_equals_chain_forwards_and_compacts_to_them(tiny_llama, pol
             assert mx.allclose(logits[mx.array(path)], ref, atol=1e-4).item(), (pars, leaf)
     # Keep the path to node 5 (not contiguous: nodes 0, 2, 3, 5).
     path = tree_mod.path_to(parents, 5)
-    tree_verify.compact(cache, len(prompt), len(tokens), path)
+    ragged.keep(cache, len(tokens), [path])  # one request: the plain-cache adapter
     seq = prompt + [tokens[i] for i in path]
     ref = make_prompt_cache(model)
     model(mx.array(seq)[None], cache=ref)
