@@ -20,6 +20,10 @@ each), so the module's ``rollback`` and ``compact`` work out the
 bookkeeping once, on the first layer, and hand it to the others: per round
 a handful of small ops, not a handful per layer.
 
+``keep`` is the rollback of both drivers: a batch through the above, one
+request's plain caches (``keep_plain``: a tree's accepted path gathered
+into place, a chain's prefix trimmed).
+
 Only plain ``BatchKVCache`` layers are converted (``of``); a sliding-window
 ``BatchRotatingKVCache`` rotates its slots, so a batch with one decodes
 without drafts.
