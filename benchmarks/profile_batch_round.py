@@ -23,6 +23,15 @@ Printed per C:
 - a synchronous forward over ``[C, W]`` on a prefilled cache (built,
   evaluated, argmax read back) at each width the rounds used, and the
   rounds' median over it (the issue's "a round costs one forward").
+
+``--repeats N``: stock and ours decode in turn N times (ours on one
+generator, as a server keeps one); the ratio is the medians', each turn's
+in brackets. ``--control stock`` puts stock in ours' place (what the
+machine's drift alone reads), ``--control silent`` our generator with a
+drafter that never proposes (its cost where nothing is drafted).
+``--probe 1,4,8``: no decoding; forwards of those widths as a round runs
+them (warm, through the round's holey cache, right after a plain step,
+widths in turn).
 """
 
 import argparse
