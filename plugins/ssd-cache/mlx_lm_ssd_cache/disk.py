@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.cache import trim_prompt_cache
 
 from . import fileformat, identity, restore, scan, writer
@@ -39,6 +40,22 @@ from .writer import WRITE_RATE, flush_all
 __all__ = ["HOST", "WRITE_RATE", "DiskTier", "Space", "entry_name", "flush_all"]
 
 RESCAN_INTERVAL = 30.0  # pick up entries other servers wrote into our directory
+
+
+# The server options that change a cache's contents, at mlx_lm.server's
+# defaults: a cache made without them (the Python API) finds a default
+# server's entries, and a server's own settings keep their fingerprint.
+SETTINGS_DEFAULTS = {
+    "kv_bits": None,
+    "kv_group_size": 64,
+    "quantized_kv_start": DEFAULT_QUANTIZED_KV_START,
+}
+
+
+def server_settings(settings: dict | None) -> dict:
+    """``settings`` with the unset server options at their defaults."""
+    given = {k: v for k, v in (settings or {}).items() if v is not None}
+    return {**SETTINGS_DEFAULTS, **given}
 
 
 class DiskTier:
@@ -72,7 +89,7 @@ class DiskTier:
         self.store = Store(
             root=Path(directory).expanduser(),
             max_bytes=int(max_bytes),
-            settings=dict(settings or {}),
+            settings=server_settings(settings),
             live_models=live_models or (lambda key: None),
         )
         self.verify = verify

@@ -370,3 +370,25 @@ def test_a_failing_writer_releases_its_pending_entries(tiny, tmp_path, monkeypat
     assert s["entries"] == 0 and not list((tmp_path / "cache").glob("*/*/*"))
     assert c.fetch_nearest_cache(str(path), [1] * 41)[0] is not None  # memory still works
     c.close()
+
+
+def test_a_cache_made_without_settings_shares_a_default_servers_entries(tiny, tmp_path):
+    """The Python API's ``SSDPromptCache(directory=...)`` and a server at its
+    default KV options (what ``--plugin ssd-cache`` passes) read one another's
+    entries; a server quantizing its KV cache does not."""
+    model, _, path = tiny("llama")
+    key = (str(path), None, None)
+    toks = list(range(40))
+    server = {"kv_bits": None, "kv_group_size": 64, "quantized_kv_start": 5000}
+    first = ssd(tmp_path)  # no settings
+    first.insert_cache(key, toks, prefill(model, toks))
+    assert first.flush(30)
+    first.close()
+    second = ssd(tmp_path, settings=server)
+    cache, rest = second.fetch_nearest_cache(key, toks + [7])
+    assert rest == [7] and cache[0].offset == 40
+    second.close()
+    third = ssd(tmp_path, settings=dict(server, kv_bits=4))
+    cache, rest = third.fetch_nearest_cache(key, toks + [7])
+    assert cache is None and rest == toks + [7]
+    third.close()
