@@ -784,15 +784,21 @@ def _matmuls(tmp_path, *arrays):
     return len(re.findall(r'label ="Matmul"', dot.read_text()))
 
 
+def _per_layer(tmp_path, model, arch_):
+    """A plain forward's products per layer (a llama layer: its 7 projections, and
+    the attention's 2 where the device runs attention as matmuls)."""
+    hidden = arch_.hidden(model, mx.zeros((2, 5), mx.int32))
+    return _matmuls(tmp_path, hidden) // len(model.layers)
+
+
 def test_no_layer_runs_for_nothing(tmp_path):
     """Every position the shared forward computes predicts a response token: the
     prompt pass's output is never read, so its last layer runs only its key and
-    value projections (a llama layer: 7 projections and 2 attention products)."""
+    value projections."""
     layers = 3
     model = _model("llama", num_hidden_layers=layers)
     _, arch_ = backbone.resolve(model)
-    per_layer = _matmuls(tmp_path, arch_.hidden(model, mx.zeros((2, 5), mx.int32))) // layers
-    assert per_layer == 9
+    per_layer = _per_layer(tmp_path, model, arch_)
     prompts, plens, responses, _ = _batch()
     hidden = shared_prompt.shared_hidden(model, arch_, prompts, plens, responses)
     # responses: every layer; prompts: every layer but the last, then its k and v
@@ -803,13 +809,15 @@ def test_reference_in_the_step_costs_base_layers_and_no_backward(tmp_path):
     """The reference half runs the top ``k`` layers without their adapters (no LoRA
     product at all), and the step's backward pass does nothing for it: it adds as
     many products to the step as to the forward."""
-    model = _adapted(_model("llama", num_hidden_layers=3), 2)
+    model = _model("llama", num_hidden_layers=3)
     _, arch_ = backbone.resolve(model)
+    per_layer = _per_layer(tmp_path, model, arch_)
+    model = _adapted(model, 2)
     batch = _batch()
     with_ref = shared_prompt.shared_hidden(model, arch_, *batch[:3], top=2)
     policy = shared_prompt.shared_hidden(model, arch_, *batch[:3])
     # the top 2 base layers on the responses, the one below the last on the prompt, k and v
-    assert _matmuls(tmp_path, with_ref) - _matmuls(tmp_path, policy) == 3 * 9 + 2
+    assert _matmuls(tmp_path, with_ref) - _matmuls(tmp_path, policy) == 3 * per_layer + 2
     data = _pair_set(4, seed=4)
     in_step = preference.make_loss(model, "dpo", sets=[data], batch_size=2, backend="mlx")
     pre = preference.make_loss(
