@@ -32,10 +32,13 @@ factory supports, for ``pytest.mark.parametrize``.
 
 Scripts and benchmarks can use the same models without pytest:
 ``build_tiny_model(path, arch, ...)`` and ``tiny_config(arch, ...)``.
+``resolve(path)`` is the object a dotted path names (tests that check the
+names a table or a document gives).
 """
 
 import contextlib
 import copy
+import importlib
 import io
 import json
 import os
@@ -99,6 +102,22 @@ TINY_VARIANTS = [
     for quantized in (False, True)
     for tied in ((True,) if arch == "gpt2" else (True, False))
 ]
+
+
+def resolve(path: str) -> Any:
+    """The object a dotted path names (``mlx_lm.server.APIHandler.do_GET``):
+    its longest importable module prefix, then attributes. ``ImportError``
+    when no prefix imports, ``AttributeError`` when an attribute is missing."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
 
 
 def tiny_config(arch: str, *, tied: bool = True, **overrides: Any) -> Dict[str, Any]:

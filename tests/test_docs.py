@@ -12,11 +12,12 @@ and, with an anchor, to a heading of that file (GitHub's anchors); and
 """
 
 import ast
-import importlib
 import re
 from pathlib import Path
 
 import pytest
+
+from mlx_lm_ext.testing import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [
@@ -125,18 +126,11 @@ def check(ref, modules):
 
 
 def _check_mlx_lm(ref):
-    parts = ref.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            if not hasattr(obj, attr):
-                return f"mlx-lm has no {ref}"
-            obj = getattr(obj, attr)
-        return None
-    return f"mlx-lm has no {ref}"
+    try:
+        resolve(ref)
+    except (ImportError, AttributeError):
+        return f"mlx-lm has no {ref}"
+    return None
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))

@@ -357,7 +357,7 @@ def test_the_owner_table_is_what_the_core_patches():
 
 def _resolve(path):
     """The object a table path names in the installed mlx-lm (``<arch>``: llama)."""
-    import importlib
+    from mlx_lm_ext.testing import resolve
 
     path = path.replace("<arch>", "llama")
     if "()." in path:  # an attribute of instances: look at a tiny model's
@@ -371,16 +371,7 @@ def _resolve(path):
         found = [m for _, m in model.named_modules() if isinstance(m, cls)]
         assert found and all(callable(m.get(attr)) for m in found), path
         return found[0][attr]
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for name in parts[cut:]:
-            obj = getattr(obj, name)
-        return obj
-    raise ImportError(path)
+    return resolve(path)
 
 
 def test_every_attribute_in_the_owner_table_exists_in_mlx_lm():
