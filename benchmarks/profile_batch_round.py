@@ -106,9 +106,7 @@ class Recorder:
 
         def _round(self_, pending, drafts, *a):
             w = 1 + max(len(d) for d in drafts)
-            rec.kind = (
-                f"round W={batch_mod.target_mod.padded_width(w, self_.spec.widths, len(drafts))}"
-            )
+            rec.kind = f"round W={batch_mod.target_mod.padded_width(w, self_.spec.ctl.widths, len(drafts))}"
             rec.t_check, w0 = 0.0, rec.t_wait
             t = time.perf_counter()
             out = rec.saved["_round"](self_, pending, drafts, *a)

@@ -120,8 +120,7 @@ class SpecState:
             adaptive=getattr(drafter, "adaptive", True),
             auto_off=getattr(drafter, "auto_off", True),
         )
-        self.widths = target_mod.window_widths()  # windows padded up to these
-        self.ctl.widths = self.widths
+        self.ctl.widths = target_mod.window_widths()  # windows padded up to these
         self.gamma_start = self.ctl.gamma
         self.stats: Dict[int, stats_mod.SpecStats] = {}
         self.no_draft: Optional[str] = None  # why the whole batch decodes plainly
@@ -468,7 +467,7 @@ class SpecGenerationBatch(GenerationBatch):
         """Each row's window (pending token, drafts or tree nodes, padding to
         the widest), its parents (a chain: i - 1) and its size before padding."""
         B = len(drafts)
-        W = target_mod.padded_width(1 + max(len(d) for d in drafts), self.spec.widths, B)
+        W = target_mod.padded_width(1 + max(len(d) for d in drafts), self.spec.ctl.widths, B)
         windows, parents, sizes = [], [], []
         trees_pay = any(t is not None for t in trees) and self.spec.ctl.trees_pay(B)
         for i, d in enumerate(drafts):
@@ -508,7 +507,7 @@ class SpecGenerationBatch(GenerationBatch):
         policy = "explicit" if policy == "padded" else policy  # padded: plain caches only
         if any(branching):
             # Trees are built on known pending tokens: the windows are the inputs.
-            logits = batch_tree.forward(self.model, self.prompt_cache, windows, parents, policy)
+            logits = tree_mod.batch_forward(self.model, self.prompt_cache, windows, parents, policy)
         else:
             with target_mod.verify_attention(self.model, W, policy):
                 logits = self.model(inputs, cache=self.prompt_cache)

@@ -65,21 +65,6 @@ class RowTree:
         return tokens[1:], parents
 
 
-# ------------------------------------------------------------ the forward
-
-
-def forward(
-    model: Any,
-    caches: List[Any],
-    windows: List[List[int]],
-    parents: List[List[int]],
-    policy: str = "fused",
-):
-    """Logits ``[B, W, V]`` of one batched tree forward: ``tree.batch_forward``,
-    the one tree forward of both drivers."""
-    return tree_mod.batch_forward(model, caches, windows, parents, policy)
-
-
 # ------------------------------------------------- does this model fit
 
 _CHECKED: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
@@ -111,7 +96,7 @@ def _check(model: Any) -> bool:
     parents = [[-1, 0, 0, 2, 2, 1], [-1, 0, 1, 2, 3, 4]]
     try:
         caches = _batch_cache(model, prompts)
-        logits = forward(model, caches, windows, parents)
+        logits = tree_mod.batch_forward(model, caches, windows, parents, "fused")
         for b, leaf in ((0, 4), (0, 5), (1, 2)):
             path = tree_mod.path_to(parents[b], leaf)
             seq = prompts[b] + [windows[b][i] for i in path]

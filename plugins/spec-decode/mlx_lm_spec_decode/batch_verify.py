@@ -187,9 +187,14 @@ class BatchController:
 
     def _judged(self, B: int) -> Optional[int]:
         """``B`` if it was judged, else the size whose verdict it borrows."""
-        have = [k for k in self.off_losses if k in self.off_left]
-        if B in have:
-            return B
+        return self._borrowed(list(self.off_left), B)
+
+    @staticmethod
+    def _borrowed(have: List[int], B: int) -> Optional[int]:
+        """Of the sizes that ``have`` a record, the one ``B`` takes: itself or
+        the largest smaller one (where fewer rows lost, more rows lose too),
+        else the nearest larger one up to a third larger (rows leaving one by
+        one must not explore each size anew); ``None`` without either."""
         below = [k for k in have if k <= B]
         above = [k for k in have if B < k <= B + max(1, B // 3)]
         return max(below) if below else (min(above) if above else None)
@@ -366,12 +371,9 @@ class BatchController:
         without one, of the nearest larger size up to a third larger (rows
         leaving one by one must not explore each size anew where drafting
         lost)."""
-        have = [k for k, q in self.yielded.items() if len(q) >= self.EXPLORE]
-        below = [k for k in have if k <= B]
-        above = [k for k in have if B < k <= B + max(1, B // 3)]
-        if not below and not above:
+        near = self._borrowed([k for k, q in self.yielded.items() if len(q) >= self.EXPLORE], B)
+        if near is None:
             return False
-        near = max(below) if below else min(above)
         if near != B:
             bp = self._near(self.plain, near, 1)
             if bp is None:

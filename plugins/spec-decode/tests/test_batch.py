@@ -580,7 +580,7 @@ def test_padded_windows_match_stock_and_stay_within_the_token_budget(llama, monk
 
     monkeypatch.setattr(SpecGenerationBatch, "_check", spy)
     gen = SpecBatchGenerator(model, NGramDrafter(n_min=1, auto_off=False), 4, 10)
-    assert gen.spec.widths == (4, 8)
+    assert gen.spec.ctl.widths == (4, 8)
     ours = drive(gen, prompts, [40, 25, 60], late, **kw)
     assert_same(stock, ours)
     assert rounds
