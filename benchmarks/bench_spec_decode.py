@@ -34,6 +34,7 @@ import mlx_lm_spec_decode as sd
 from mlx_lm_ext import models
 
 SHOW_TEXT = False
+SHOW_STATS = False
 
 
 def stdlib_function(module, name):
@@ -98,6 +99,8 @@ def run(model, tok, prompt, max_tokens, draft=None, k=3):
         last = r
     wall = time.perf_counter() - t0
     stats = sd.last_stats() if isinstance(draft, sd.Drafter) else None
+    if SHOW_STATS and stats is not None:
+        print(f"  {stats.line()}", flush=True)
     return text, last.generation_tokens, last.generation_tps, wall, stats
 
 
@@ -182,11 +185,14 @@ def main():
     p.add_argument("--skip-q4-target", action="store_true")
     p.add_argument("--json", default=None, help="also write every row to this file")
     p.add_argument("--show-text", action="store_true", help="print stock's output per prompt")
+    p.add_argument(
+        "--show-stats", action="store_true", help="print each drafted run's figures (its log line)"
+    )
     add_target_args(p, dtype=True)
     args = p.parse_args()
     print_header()
-    global SHOW_TEXT
-    SHOW_TEXT = args.show_text
+    global SHOW_TEXT, SHOW_STATS
+    SHOW_TEXT, SHOW_STATS = args.show_text, args.show_stats
 
     mlx_lm_ext.enable("spec-decode")
     f32, tok = load_target(args)

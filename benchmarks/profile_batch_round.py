@@ -50,6 +50,7 @@ from common import add_target_args, batch_levels, load_target, print_header, tar
 
 from mlx_lm_spec_decode import NGramDrafter  # noqa: E402
 from mlx_lm_spec_decode import batch as batch_mod  # noqa: E402
+from mlx_lm_spec_decode import ragged as ragged_mod  # noqa: E402
 
 
 def q(xs, p):
@@ -81,8 +82,10 @@ class Recorder:
         self.kind = None
         self.phases = {"propose": [], "wait": [], "forward": [], "rest": []}
         self.kinds = []
+        self.reasons = {}  # what each call of ours was, and why
         cls = batch_mod.SpecGenerationBatch
-        self.saved = {n: getattr(cls, n) for n in ("_next", "_round", "_propose", "_check")}
+        names = ("_next", "_round", "_propose", "_check", "_decide")
+        self.saved = {n: getattr(cls, n) for n in names}
         rec = self
 
         def read_back(a):
@@ -93,10 +96,27 @@ class Recorder:
 
         def _next(self_):
             rec.kind, rec.t_prop, rec.t_wait = "plain", 0.0, 0.0
+            rec.why = (
+                "plain (drafting off)"
+                if self_.spec and not self_.spec.ctl.drafting(len(self_.uids))
+                else "plain (in a run)"
+                if self_.plain_left
+                else None
+            )
+            if rec.why == "plain (drafting off)":
+                self_.spec.ctl.off_left[self_.spec.ctl._judged(len(self_.uids))] += 1
             t = time.perf_counter()
             out = rec.saved["_next"](self_)
             rec.kinds.append((rec.kind, time.perf_counter() - t))
+            why = "round" if rec.kind != "plain" else rec.why or "plain (decided)"
+            rec.reasons[why] = rec.reasons.get(why, 0) + 1
             return out
+
+        def _decide(self_, B, drafts, ahead):
+            g = rec.saved["_decide"](self_, B, drafts, ahead)
+            if g == 0:
+                rec.why = "plain (declined)" if self_.misses == 0 else "plain (no proposals)"
+            return g
 
         def _propose(self_, *a):
             t = time.perf_counter()
@@ -124,7 +144,12 @@ class Recorder:
             rec.t_check += time.perf_counter() - t
             return out
 
-        for n, f in (("_next", _next), ("_round", _round), ("_propose", _propose)):
+        for n, f in (
+            ("_next", _next),
+            ("_round", _round),
+            ("_propose", _propose),
+            ("_decide", _decide),
+        ):
             setattr(cls, n, f)
         cls._check = _check
         self.read_back = batch_mod.read_back
@@ -159,7 +184,6 @@ def probe(model, prompt, B, widths, repeats=10):
     widths in turn, each after a step, as an adaptive draft length runs)."""
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlx_lm_spec_decode import ragged as ragged_mod
     from mlx_lm_spec_decode import target as target_mod
 
     def fresh(holes):
@@ -261,6 +285,7 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="")
         ref = sync_forward(model, prompts[0], C, W, 10)
         print(f"| {kind} | {len(ts)} | {1e3 * statistics.median(ts):.2f} | "
               f"{1e3 * q(ts, 0.9):.2f} | {statistics.median(ts) / ref:.2f} (sync {1e3 * ref:.2f}) |")  # fmt: skip
+    print("calls: " + ", ".join(f"{k} {v}" for k, v in sorted(rec.reasons.items())))
     if rec.phases["forward"]:
         print("| round phase | median ms | p90 ms |\n|---|---|---|")
         for name, ts in rec.phases.items():
@@ -284,6 +309,13 @@ def main():
     )
     ap.add_argument("--repeats", type=int, default=1, help="turns of stock and ours per cell")
     ap.add_argument(
+        "--compact-holes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="squeeze a batch's cache once a row has N holes (default: ragged.COMPACT_HOLES)",
+    )
+    ap.add_argument(
         "--probe",
         default="",
         metavar="WIDTHS",
@@ -293,6 +325,8 @@ def main():
     add_target_args(ap)
     args = ap.parse_args()
     levels, kinds = batch_levels(ap, args)
+    if args.compact_holes is not None:
+        ragged_mod.COMPACT_HOLES = args.compact_holes
     mx.set_default_device(getattr(mx, args.device))
     print_header()
     model, tok = load_target(args, args.dtype)

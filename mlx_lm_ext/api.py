@@ -14,7 +14,8 @@ where the host uses it):
 * ``hookimpl``: the decorator of a plugin's hook functions (pluggy's marker
   for the project ``mlx_lm_ext``; the hooks are in ``hookspecs.py``).
 * ``request_info``, ``override_attention``, ``override_rope``,
-  ``rope_modules``: what the host offers while mlx-lm runs (``host.py``).
+  ``rope_modules``, ``flush_layers``: what the host offers while mlx-lm
+  runs (``host.py``).
 * ``backbone``: a model split as ``head(backbone(x))``, checked
   (``backbone.split``, ``backbone.resolve``, ``backbone.Arch``).
 * ``counter``, ``gauge``: metric families for the ``metrics`` hook.
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from . import PluginError
-from .host import override_attention, override_rope, request_info, rope_modules
+from .host import flush_layers, override_attention, override_rope, request_info, rope_modules
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ __all__ = [
     "PluginError",
     "hookimpl",
     "request_info",
+    "flush_layers",
     "override_attention",
     "override_rope",
     "rope_modules",

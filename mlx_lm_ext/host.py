@@ -13,6 +13,9 @@
 * ``override_rope(modules, make)``: for the length of a ``with`` block,
   each of ``modules`` (``rope_modules(model)``: the attention modules that
   rotate with ``self.rope``) rotates with ``make(original)``.
+* ``flush_layers(model, every)``: for the length of a ``with`` block, a
+  forward of ``model`` hands every ``every``-th layer's output to
+  ``mx.async_eval`` as soon as its graph is built.
 """
 
 import contextlib
@@ -95,4 +98,55 @@ def rope_modules(model) -> list:
 def override_rope(modules: list, make: Callable[[Callable], Callable]) -> Iterator[None]:
     """Run each module's ``rope`` as ``make(original)`` inside the block."""
     with patching.scoped("rope", [(m, "rope", make(m["rope"])) for m in modules]):
+        yield
+
+
+class _Flushed:
+    """A decoder layer whose output starts evaluating as soon as it is built."""
+
+    def __init__(self, layer, flush):
+        self.layer, self.flush = layer, flush
+
+    def __getattr__(self, name):  # the model reads its layers' attributes (use_sliding, ...)
+        return getattr(self.layer, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self.layer(*args, **kwargs)
+        self.flush(out)
+        return out
+
+
+def _layers_holder(model):
+    """The module whose ``layers`` list ``model.layers`` is (mlx-lm's layout), or None."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, list):
+        return None
+    for _, m in model.named_modules():
+        if m.get("layers") is layers:
+            return m
+    return None
+
+
+@contextlib.contextmanager
+def flush_layers(model, every: int) -> Iterator[None]:
+    """Inside the block, ``model``'s forward hands every ``every``-th decoder
+    layer's output to ``mx.async_eval`` as soon as its graph is built.
+
+    An evaluation that waits for its result (a verify forward reads its
+    logits back) otherwise starts only once the host has built the whole
+    graph: the device idles while Python builds it. Flushed in stages, the
+    device runs the first layers while the host builds the rest. ``every``
+    of 0, or a model without mlx-lm's ``layers`` list, leaves it as it is."""
+    holder = _layers_holder(model) if every > 0 else None
+    if holder is None:
+        yield
+        return
+    import mlx.core as mx  # here: importing this module stays cheap
+
+    layers = list(holder["layers"])
+    staged = [
+        _Flushed(layer, mx.async_eval) if (i + 1) % every == 0 and i + 1 < len(layers) else layer
+        for i, layer in enumerate(layers)
+    ]
+    with patching.scoped("flush", [(holder, "layers", staged)]):
         yield

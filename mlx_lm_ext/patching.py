@@ -97,6 +97,7 @@ OWNERS = (
         "host.override_attention",
     ),
     Owner("rope", "mlx_lm.models.<arch>.Attention().rope", "host.override_rope"),
+    Owner("flush", "mlx_lm.models.<arch>.LlamaModel().layers", "host.flush_layers"),
 )
 
 # owner -> the attribute names it may set (the ledger's check)

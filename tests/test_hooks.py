@@ -369,7 +369,10 @@ def _resolve(path):
         cls = _resolve(cls_path)
         model = llama.Model(llama.ModelArgs.from_dict(tiny_config("llama")))
         found = [m for _, m in model.named_modules() if isinstance(m, cls)]
-        assert found and all(callable(m.get(attr)) for m in found), path
+        # A function or module (rope), or the list of layers (flush).
+        assert found and all(
+            callable(m.get(attr)) or isinstance(m.get(attr), list) for m in found
+        ), path
         return found[0][attr]
     return resolve(path)
 

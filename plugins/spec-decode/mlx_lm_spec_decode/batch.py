@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
-from . import batch_tree, sampling
+from . import batch_tree, policy, sampling
 from . import stats as stats_mod
 from . import target as target_mod
 from . import tree as tree_mod
@@ -84,19 +84,15 @@ class Row:
         self.told = 0  # tokens of the row's history the drafter holds
         self.steps = 0  # the batch's plain-step count its figures include
         self.failed: Optional[str] = None
-        self.hits, self.tries = 1.0, 2.0  # decayed per-draft-token acceptance (prior 1/2)
+        self.acceptance = policy.Acceptance()
         self.guess: Optional[tuple] = None  # (history index, drafts) not verified: γ was 0
 
     @property
     def alpha(self) -> float:
-        return self.hits / self.tries
+        return self.acceptance.alpha
 
     def observe(self, k: int, a: int, rejected: Optional[bool] = None) -> None:
-        # Geometric acceptance: a successes, one failure unless all were kept
-        # (in a tree: unless the accepted path ended on a leaf).
-        rejected = a < k if rejected is None else rejected
-        self.hits = 0.8 * self.hits + a
-        self.tries = 0.8 * self.tries + a + (1 if rejected else 0)
+        self.acceptance.observe(k, a, rejected)
 
     def check(self, history: List[int]) -> None:
         """Score drafts no round verified against the tokens emitted since, so
@@ -509,7 +505,10 @@ class SpecGenerationBatch(GenerationBatch):
             # Trees are built on known pending tokens: the windows are the inputs.
             logits = tree_mod.batch_forward(self.model, self.prompt_cache, windows, parents, policy)
         else:
-            with target_mod.verify_attention(self.model, W, policy):
+            with (
+                target_mod.verify_attention(self.model, W, policy),
+                target_mod.staged(self.model, W),
+            ):
                 logits = self.model(inputs, cache=self.prompt_cache)
         return verify(logits, wins, rules, self.logits_processors, contexts)
 

@@ -33,12 +33,12 @@ rounds that slowed them look cheap.
 """
 
 from collections import deque
-from statistics import fmean, median
+from statistics import median
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import sampling
+from . import policy, sampling
 from . import target as target_mod
 
 
@@ -104,13 +104,6 @@ def _rows(lps, windows, walked):
         targets.append(tok)
         rejected.append(any(p == path[-1] for p in win.parents[1:]))
     return out_lps, paths, targets, rejected
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a round yields for a row with ``k`` drafts, each right with
-    probability ``alpha`` given the ones before it were (the row's own next
-    token included)."""
-    return sum(alpha**j for j in range(k + 1))
 
 
 class BatchController:
@@ -332,29 +325,14 @@ class BatchController:
 
     def cost(self, B: int) -> Optional[Tuple[float, float, float]]:
         """``(p, extra, b)``: seconds of a plain step, of a verify round beyond
-        it at any width, and of each extra window column.
-
-        From the recent rounds' median time at each width: with two widths
-        or more, a line through them (least squares) whose intercept, less
-        the plain step, is ``extra``; otherwise (one width, or a line below
-        the plain step) ``extra`` is 0 and each round's excess is all columns."""
+        it at any width, and of each extra window column (``policy.fit``
+        over the recent rounds at the nearest size with enough of them)."""
         bp, bv = self._near(self.plain, B, 1), self._near(self.verify, B, self.EXPLORE)
         if bp is None or bv is None:
             return None
         p = self._plain_at(bp)
         pv = self._plain_at(self._near(self.plain, bv, 1))
-        widths: Dict[int, List[float]] = {}
-        for w, t in self.verify[bv]:
-            widths.setdefault(w - 1, []).append(t)
-        xs, ys = list(widths), [median(v) for v in widths.values()]
-        extra, b = 0.0, max(0.0, median((t - pv) / x for x, t in zip(xs, ys, strict=True)))
-        if len(xs) >= 2:
-            mx_, my = fmean(xs), fmean(ys)
-            slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-                (x - mx_) ** 2 for x in xs
-            )
-            if slope >= 0 and my - slope * mx_ >= pv:
-                extra, b = my - slope * mx_ - pv, slope
+        extra, b = policy.fit(self.verify[bv], pv)
         # Measured on fewer rows, a column costs at most proportionally more.
         return p, extra, b * max(1.0, B / bv)
 
@@ -394,17 +372,16 @@ class BatchController:
         if cost is None:
             self.declined = 0
             return min(self.gamma, top)  # explore (or no adaptation or switch-off asked for)
-        p, extra, b = cost
-        plain_rate = B / p
-        best, best_rate = 0, plain_rate * self.SLACK
-        for g in range(1, min(self.gmax, top) + 1):
-            tokens = sum(
-                expected_tokens(a, min(g, n)) for a, n in zip(alphas, proposed, strict=True)
-            )
+        plain_rate = B / cost[0]
+        best, _ = policy.best_length(
+            alphas,
+            proposed,
+            cost,
+            self.gmax,
             # A window is padded up to the next of ``widths``: its columns all cost.
-            rate = tokens / (p + extra + b * (target_mod.padded_width(g + 1, self.widths, B) - 1))
-            if rate > best_rate:
-                best, best_rate = g, rate
+            width=lambda w: target_mod.padded_width(w, self.widths, B),
+            floor=plain_rate * self.SLACK,
+        )
         losing = bool(best) and self.losing(B, plain_rate)
         if best and not losing:
             self.gamma, self.declined, self.lost[B] = best, 0, 0

@@ -11,6 +11,8 @@ for good when the drafter or the verify forward cannot pay) when it does not.
 from collections import deque
 from typing import Callable, List, Optional
 
+from . import policy
+
 
 class Controller:
     """Adaptive draft length and the measured on/off switch."""
@@ -51,6 +53,7 @@ class Controller:
         self.switched_off = False
         self.why = ""  # why drafting was last switched off
         self.need = self.MIN_ROUNDS
+        self.acceptance = policy.Acceptance()
 
     def want(self) -> int:
         """Tokens to draft this round (0: a plain step, to time it)."""
@@ -88,33 +91,45 @@ class Controller:
     def best_gain(self, accept: float) -> Optional[float]:
         """Best tokens/s of drafting relative to plain decoding, over draft
         lengths 1..gmax, if each draft token is right with probability
-        ``accept``; ``None`` until enough steps are timed.
+        ``accept`` (``policy.best_length`` for one row); ``None`` until
+        enough steps are timed."""
+        cost = self._cost()
+        return (
+            None if cost is None else policy.best_length([accept], [self.gmax], cost, self.gmax)[1]
+        )
 
-        The cost of a verify over w tokens is modelled as ``a + b * w`` plain
-        seconds, with b the cheapest marginal cost seen (other processes only
-        ever make a forward slower, so the fastest samples are the truest).
-        """
+    def _cost(self) -> Optional[policy.Cost]:
+        """The verify cost as ``policy`` prices it, in plain steps, a draft
+        token's own cost (a draft model's step) added to each column."""
         cost = self.verify_cost()
         if cost is None:
             return None
-        p = 1.0  # seconds in plain steps
         a, b = cost
         d = (self.draft_step or 0.0) / min(self.plain)
-        best = 0.0
-        for g in range(1, self.gmax + 1):
-            tokens = (1 - accept ** (g + 1)) / (1 - accept)
-            best = max(best, tokens * p / (a + b * (g + 1) + d * g))
-        return best
+        return 1.0, a + b - 1.0, b + d
 
     def verify_cost(self) -> Optional[tuple[float, float]]:
         """``(a, b)``: a verify forward over w tokens costs about ``a + b * w``
-        plain steps (b the cheapest marginal cost seen); None until enough
-        steps are timed. Token trees size themselves by it."""
+        plain steps (``policy.fit`` over the recent verifies, the plain step
+        the fastest one timed: other processes only ever slow one down);
+        None until enough steps are timed. Token trees size themselves by it."""
         if len(self.plain) < 2 or len([w for w, _ in self.verify if w > 1]) < self.VERIFY_SAMPLES:
             return None
         p = min(self.plain)
-        b = max(0.0, min((t - p) / (w - 1) for w, t in self.verify if w > 1)) / p
-        return 1.0 - b, b
+        extra, b = policy.fit(((w, t / p) for w, t in self.verify), 1.0)
+        return 1.0 + extra - b, b
+
+    def _next_gamma(self, all_kept: bool) -> int:
+        """The next round's draft length: the batch's rule for one row
+        (``policy.best_length``) once the verify cost is known; before it,
+        no growth (a wide first window is what costs most where windows are
+        not cheap) and one less after a rejection."""
+        cost = self._cost() if self.auto_off else None
+        if cost is None:
+            grow = 2 if not self.auto_off else 0
+            return min(self.gamma + grow, self.gmax) if all_kept else max(1, self.gamma - 1)
+        g, _ = policy.best_length([self.acceptance.alpha], [self.gmax], cost, self.gmax)
+        return max(1, g)
 
     def tree_surcharge(self) -> float:
         """Plain steps a branching tree's verify costs beyond a chain of its
@@ -144,11 +159,9 @@ class Controller:
         (self.tree_verify if tree else self.verify).append(
             (k + 1, dt - k * (self.draft_step or 0.0))
         )
+        self.acceptance.observe(k, a)
         if self.adaptive:
-            # No growth before the verify cost is judged: a wide first window
-            # is what costs most where windows are not cheap.
-            grow = 2 if not self.auto_off or self.best_gain(self.BEST_ACCEPT) is not None else 0
-            self.gamma = min(self.gamma + grow, self.gmax) if a == k else max(1, self.gamma - 1)
+            self.gamma = self._next_gamma(a == k)
         if not self.auto_off:
             return
         # Measure a plain step now and then: a draft model never yields one,

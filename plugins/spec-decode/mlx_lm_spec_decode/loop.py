@@ -483,7 +483,10 @@ class VerifyLoop:
         """Logits ``[L, V]`` over ``tokens``, and the final hidden states
         ``[L, D]`` when a drafter reads them (else None)."""
         x = tokens[None]
-        with target_mod.verify_attention(self.model, x.shape[1], self.attention):
+        with (
+            target_mod.verify_attention(self.model, x.shape[1], self.attention),
+            target_mod.staged(self.model, x.shape[1]),
+        ):
             if self.split is None:
                 return self.model(x, cache=self.target_cache)[0], None
             h = self.split[0](x, self.target_cache)

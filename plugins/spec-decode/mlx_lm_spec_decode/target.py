@@ -35,6 +35,7 @@ POLICIES = ("auto", "fused", "explicit", "padded")
 AUTO_CUDA = "padded"
 GPU_WIDTHS = (4, 8, 12, 16)
 PAD_TOKENS = 16  # the most window tokens a batch is padded up to
+FLUSH_GPU = 5  # a verify forward's layers per flush on a GPU (host.flush_layers)
 
 
 def attention_policy() -> str:
@@ -83,6 +84,27 @@ def padded_width(width: int, widths: tuple, rows: int = 1) -> int:
     tokens, and padding would cost what it saves."""
     w = next((w for w in widths if w >= width), width)
     return w if rows * w <= PAD_TOKENS else width
+
+
+def flush_every() -> int:
+    """Every how many layers a verify forward hands its graph to the device
+    (``host.flush_layers``; 0: all at once). MLX_LM_SPEC_FLUSH overrides."""
+    how = os.environ.get("MLX_LM_SPEC_FLUSH", "auto").strip().lower() or "auto"
+    if how == "auto":
+        return FLUSH_GPU if _on_gpu() else 0
+    if how == "off":
+        return 0
+    if not how.isdigit():
+        raise ValueError(f"MLX_LM_SPEC_FLUSH: a number of layers, 'off' or 'auto'; got {how!r}")
+    return int(how)
+
+
+def staged(model: Any, width: int) -> contextlib.AbstractContextManager:
+    """The block's forward over ``width`` tokens flushed every ``flush_every()``
+    layers: a verify forward, read back at once, whose graph the device would
+    otherwise wait for in full. A one-token step is left as it is: behind a
+    pipelined step the host builds the next while the device runs."""
+    return host.flush_layers(model, flush_every() if width > 1 else 0)
 
 
 def explicit_attention(

@@ -250,7 +250,7 @@ def batch_forward(
     model: Any, caches: list[Any], windows: list[list[int]], parents: list[list[int]], policy: str
 ) -> mx.array:
     """Logits ``[B, W, V]`` of one tree forward per row (the caches grow by W)."""
-    with attention(model, parents, policy):
+    with attention(model, parents, policy), target_mod.staged(model, len(windows[0])):
         return model(mx.array(windows, mx.uint32), cache=caches)
 
 

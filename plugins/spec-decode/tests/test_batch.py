@@ -421,10 +421,11 @@ def test_controller_fits_a_rounds_fixed_cost_and_times_trees_apart():
 def test_unverified_drafts_still_teach_the_rows_acceptance():
     """With γ 0 a row's proposal is scored against what it emitted next."""
     from mlx_lm_spec_decode.batch import Row
+    from mlx_lm_spec_decode.policy import Acceptance
 
     def row(guess):
         r = Row.__new__(Row)
-        r.hits, r.tries, r.guess = 1.0, 2.0, guess
+        r.acceptance, r.guess = Acceptance(), guess
         return r
 
     history = [1, 2, 3, 4, 5, 6]

@@ -3,6 +3,7 @@ the offline SmolLM2 (float32) against the stock batched server."""
 
 import concurrent.futures as cf
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +29,16 @@ def start(model, *flags):
     port = free_port()
     cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # A test run started in the background ignores SIGINT, and an ignored
+        # signal stays ignored across exec: the server would never see the
+        # Ctrl-C that the exit tests send it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 180
     while time.time() < deadline:
         try:
