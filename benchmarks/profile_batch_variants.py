@@ -1,0 +1,73 @@
+"""``profile_batch_round.py``'s decoding runs under several settings of ours, one model load.
+
+    python benchmarks/profile_batch_variants.py --device gpu --dtype bfloat16 --standin 10B \\
+        --variants "flush=off;flush=5"
+
+Each variant (``;``-separated, ``key=value`` pairs joined by ``,``) sets,
+for our generator only: ``flush`` (``MLX_LM_SPEC_FLUSH``: a verify
+forward's layers per flush to the device, ``off``, or ``auto``) and
+``compact`` (``ragged.COMPACT_HOLES``: squeeze a batch's cache once a row
+has this many holes). Then, for each prompt kind and concurrency, stock
+and ours decode in turn (``profile_batch_round.run``: the same tables).
+Variants run one after the other on one machine, so each has its own
+stock turns to compare with: the ratio, not the tokens/s, carries across.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import profile_batch_round as pbr  # noqa: E402
+from common import add_target_args, batch_levels, load_target, print_header  # noqa: E402
+
+SETTINGS = {"flush", "compact"}
+
+
+def parse(text):
+    """``[(name, {key: value})]`` of ``--variants``; bad input is a ``ValueError``."""
+    out = []
+    for variant in text.split(";"):
+        opts = dict(kv.split("=", 1) for kv in variant.split(",") if kv)
+        if not opts or set(opts) - SETTINGS:
+            raise ValueError(f"variant {variant!r}: give {' and/or '.join(sorted(SETTINGS))}")
+        int(opts.get("compact", 0))
+        out.append((variant, opts))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--concurrency", default="4")
+    ap.add_argument("--kinds", default="grounded,open")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default="flush=off;flush=5")
+    add_target_args(ap)
+    args = ap.parse_args()
+    levels, kinds = batch_levels(ap, args)
+    try:
+        variants = parse(args.variants)
+    except ValueError as e:
+        ap.error(f"--variants: {e}")
+    mx.set_default_device(getattr(mx, args.device))
+    print_header()
+    model, tok = load_target(args, args.dtype)
+    default_compact = pbr.ragged_mod.COMPACT_HOLES
+    for name, opts in variants:
+        os.environ["MLX_LM_SPEC_FLUSH"] = opts.get("flush", "auto")
+        pbr.ragged_mod.COMPACT_HOLES = int(opts.get("compact", default_compact))
+        print(f"\n# variant {name}", flush=True)
+        for kind in kinds:
+            for C in levels:
+                pbr.run(model, tok, C, args.max_tokens, True, kind, args.repeats)
+                sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
