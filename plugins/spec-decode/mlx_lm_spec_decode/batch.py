@@ -230,9 +230,7 @@ class SpecGenerationBatch(GenerationBatch):
         pending token."""
         out, trees = [], []
         gmax, d = self.spec.ctl.gmax, self.spec.drafter
-        cost = self.spec.ctl.verify_cost(len(self.rows))  # what the drafters size guesses by
         for i, row in enumerate(self.rows):
-            row.ctx.verify_cost = cost
             room = min(gmax, self.max_tokens[i] - self._num_tokens[i] - 1)
             room += pending is None  # the guess at the pending token comes first
             history = self.tokens[i] + ([pending[i]] if pending is not None else [])

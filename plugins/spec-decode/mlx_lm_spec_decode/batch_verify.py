@@ -336,15 +336,6 @@ class BatchController:
         # Measured on fewer rows, a column costs at most proportionally more.
         return p, extra, b * max(1.0, B / bv)
 
-    def verify_cost(self, B: int) -> Optional[Tuple[float, float]]:
-        """``(a, b)``: a verify over w tokens costs about ``a + b * w`` plain
-        steps at this batch size (a drafter's ``ctx.verify_cost``), or None."""
-        cost = self.cost(B)
-        if cost is None:
-            return None
-        p, extra, b = cost
-        return (p + extra - b) / p, b / p
-
     def losing(self, B: int, plain_rate: float) -> bool:
         """Whether this batch size's recent rounds emitted fewer tokens per
         second than plain steps do, whatever the cost model predicts: the

@@ -10,7 +10,6 @@ n-gram length, and an undo log makes ``trim`` exact.
 
 from typing import Any
 
-from . import policy
 from .drafter import DraftContext, Drafter, TokenHistory
 
 
@@ -161,21 +160,14 @@ class NGramDrafter(Drafter):
         length, start = cache.match()
         if not length:
             return [], None
-        tokens = cache.copy(start, self._length(ctx, n, length))
+        # A short match is a weak guess: propose about as many tokens as
+        # matched; only a full-length match gets the whole draft length.
+        tokens = cache.copy(start, n if length >= self.n_max else min(n, length))
         ctx.state["guess"] = (length, tokens[0])
         tries, hits = ctx.state.setdefault("hits", {}).get(length, (0.0, 0.0))
         if tries >= self.MIN_TRIES and hits < self.MIN_HIT * tries:
             return [], None  # silent: the guess is only checked
         return tokens, None
-
-    def _length(self, ctx: DraftContext, n: int, length: int) -> int:
-        """Tokens to propose after a match of ``length``: a short match is a
-        weak guess, so about as many tokens as matched, and a full-length
-        one the whole draft length; where the verify's columns cost next to
-        nothing (``policy.cheap_columns``) every guess runs the whole length."""
-        if length >= self.n_max or policy.cheap_columns(ctx.verify_cost):
-            return n
-        return min(n, length)
 
     def draft_tree(self, ctx: DraftContext, n: int) -> list[tuple[list[int], float]]:
         """The continuations of the latest match of each heard length (a
@@ -188,7 +180,7 @@ class NGramDrafter(Drafter):
             start = cache.index.get(tuple(toks[len(toks) - length :]))
             if start is None or start in starts:
                 continue
-            tokens = cache.copy(start, self._length(ctx, n, length))
+            tokens = cache.copy(start, n if length >= self.n_max else min(n, length))
             if not starts:
                 ctx.state["guess"] = (length, tokens[0])  # the longest: checked in accept
             starts.add(start)

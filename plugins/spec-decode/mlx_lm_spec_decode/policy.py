@@ -17,10 +17,6 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 Cost = Tuple[float, float, float]  # (p, extra, b)
 
-# A window column costing at most this share of a plain step is free for a
-# drafter's purposes (a memory-bound device): a weak guess may run long.
-CHEAP_COLUMN = 0.05
-
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a round yields for a row with ``k`` drafts, each right with
@@ -75,13 +71,6 @@ def best_length(
         if rate > best_rate:
             best, best_rate = g, rate
     return best, best_rate
-
-
-def cheap_columns(verify_cost: Optional[Tuple[float, float]]) -> bool:
-    """Whether a verify's extra columns cost next to nothing, by a drafter's
-    ``ctx.verify_cost`` (``(a, b)``: a verify over w tokens costs about
-    ``a + b * w`` plain steps; ``None``: not measured yet)."""
-    return verify_cost is not None and verify_cost[1] <= CHEAP_COLUMN
 
 
 class Acceptance:

@@ -100,21 +100,3 @@ def test_match_length_that_keeps_failing_is_silenced_and_heard_again():
         guess = ctx.state["guess"][1]
         d.accept(ctx, [guess, 1, 2], 1 if tokens else 0)
     assert d.draft(ctx, 1)[0]
-
-
-def test_a_short_match_runs_long_only_where_columns_are_free():
-    """A match shorter than n_max proposes about as many tokens as it
-    matched, unless the loop measured a verify's extra columns as free (a
-    memory-bound GPU), where a weak guess costs nothing more to verify."""
-    from mlx_lm_spec_decode import DraftContext
-
-    d = NGramDrafter(n_max=4, n_min=2)
-    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # "1 2" seen before: a match of 2
-    lengths = {}
-    for name, cost in (("unmeasured", None), ("cpu", (0.7, 0.3)), ("gpu", (1.3, 0.01))):
-        ctx = DraftContext(None, [], d.make_cache(), verify_cost=cost)
-        d.prefill(ctx, history)
-        tokens, _ = d.draft(ctx, 6)
-        lengths[name] = len(tokens)
-        assert tokens == [3, 4, 5, 6, 7, 8][: len(tokens)]
-    assert lengths == {"unmeasured": 2, "cpu": 2, "gpu": 6}
