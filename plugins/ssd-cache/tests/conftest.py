@@ -114,7 +114,16 @@ class Server:
         ]
         full_env = dict(os.environ, **(env or {}))
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            # A test run started in the background ignores SIGINT, and an
+            # ignored signal stays ignored across exec: ``stop`` would wait
+            # out its timeout and kill a server that never saw the Ctrl-C.
+            preexec_fn=_default_sigint,
+        )
 
     @property
     def url(self):
@@ -177,6 +186,12 @@ class Server:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def _default_sigint():
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture
