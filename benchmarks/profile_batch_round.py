@@ -95,20 +95,18 @@ class Recorder:
             return out
 
         def _next(self_):
-            rec.kind, rec.t_prop, rec.t_wait = "plain", 0.0, 0.0
-            rec.why = (
-                "plain (drafting off)"
-                if self_.spec and not self_.spec.ctl.drafting(len(self_.uids))
-                else "plain (in a run)"
-                if self_.plain_left
-                else None
-            )
-            if rec.why == "plain (drafting off)":
-                self_.spec.ctl.off_left[self_.spec.ctl._judged(len(self_.uids))] += 1
+            rec.kind, rec.t_prop, rec.t_wait, rec.why = "plain", 0.0, 0.0, None
+            in_run = self_.plain_left > 0
             t = time.perf_counter()
             out = rec.saved["_next"](self_)
             rec.kinds.append((rec.kind, time.perf_counter() - t))
-            why = "round" if rec.kind != "plain" else rec.why or "plain (decided)"
+            # ``_next`` clears ``on`` where drafting is off at this size.
+            if rec.kind != "plain":
+                why = "round"
+            elif not self_.on:
+                why = "plain (drafting off)"
+            else:
+                why = rec.why or ("plain (in a run)" if in_run else "plain (decided)")
             rec.reasons[why] = rec.reasons.get(why, 0) + 1
             return out
 

@@ -19,6 +19,7 @@
 """
 
 import contextlib
+import itertools
 import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, Optional
@@ -117,12 +118,15 @@ class _Flushed:
 
 
 def _layers_holder(model):
-    """The module whose ``layers`` list ``model.layers`` is (mlx-lm's layout), or None."""
+    """The module whose ``layers`` list ``model.layers`` is, or None. In
+    mlx-lm's layout that is the model or its ``model`` (checked first: this
+    runs before every verify forward); otherwise any of its modules."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, list):
         return None
-    for _, m in model.named_modules():
-        if m.get("layers") is layers:
+    near = (model, model.get("model"))
+    for m in itertools.chain(near, (m for _, m in model.named_modules())):
+        if isinstance(m, dict) and m.get("layers") is layers:
             return m
     return None
 

@@ -33,7 +33,8 @@ factory supports, for ``pytest.mark.parametrize``.
 Scripts and benchmarks can use the same models without pytest:
 ``build_tiny_model(path, arch, ...)`` and ``tiny_config(arch, ...)``.
 ``resolve(path)`` is the object a dotted path names (tests that check the
-names a table or a document gives).
+names a table or a document gives). ``default_sigint`` is a ``preexec_fn``
+for servers a test stops with Ctrl-C (SIGINT restored to its default).
 """
 
 import contextlib
@@ -102,6 +103,16 @@ TINY_VARIANTS = [
     for quantized in (False, True)
     for tied in ((True,) if arch == "gpt2" else (True, False))
 ]
+
+
+def default_sigint() -> None:
+    """``subprocess.Popen(..., preexec_fn=default_sigint)``: the child takes
+    SIGINT as Ctrl-C. A test run started in the background ignores SIGINT,
+    and an ignored signal stays ignored across exec, so a server it starts
+    would never see the Ctrl-C a test sends it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def resolve(path: str) -> Any:

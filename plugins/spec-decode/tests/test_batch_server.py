@@ -3,7 +3,6 @@ the offline SmolLM2 (float32) against the stock batched server."""
 
 import concurrent.futures as cf
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -11,6 +10,8 @@ import urllib.request
 
 import pytest
 from test_commands import free_port
+
+from mlx_lm_ext.testing import default_sigint
 
 CODE = (
     "def area(width, height):\n    return width * height\n\n"
@@ -34,10 +35,7 @@ def start(model, *flags):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        # A test run started in the background ignores SIGINT, and an ignored
-        # signal stays ignored across exec: the server would never see the
-        # Ctrl-C that the exit tests send it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=default_sigint,  # the exit tests send it Ctrl-C
     )
     deadline = time.time() + 180
     while time.time() < deadline:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from mlx_lm_ext.testing import default_sigint
+
 HERE = Path(__file__).parent
 
 
@@ -119,10 +121,7 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=full_env,
-            # A test run started in the background ignores SIGINT, and an
-            # ignored signal stays ignored across exec: ``stop`` would wait
-            # out its timeout and kill a server that never saw the Ctrl-C.
-            preexec_fn=_default_sigint,
+            preexec_fn=default_sigint,  # ``stop`` sends it Ctrl-C
         )
 
     @property
@@ -186,12 +185,6 @@ class Server:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
-
-
-def _default_sigint():
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture
