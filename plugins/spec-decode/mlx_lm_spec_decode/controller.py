@@ -12,6 +12,7 @@ from collections import deque
 from typing import Callable, List, Optional
 
 from . import policy
+from . import target as target_mod
 
 
 class Controller:
@@ -35,8 +36,16 @@ class Controller:
     # as two verifies timed while other work ran may have been slowed.
     VERIFY_SURE = 6
 
-    def __init__(self, gamma: int, gmax: int, adaptive: bool = True, auto_off: bool = True):
+    def __init__(
+        self,
+        gamma: int,
+        gmax: int,
+        adaptive: bool = True,
+        auto_off: bool = True,
+        widths: tuple = (),
+    ):
         self.gmax = max(1, gmax)
+        self.widths = widths  # the widths a chain window is padded up to
         self.gamma = max(1, min(gamma, self.gmax))
         self.adaptive, self.auto_off = adaptive, auto_off
         self.spec = deque(maxlen=self.WINDOW)  # (seconds, tokens)
@@ -95,8 +104,14 @@ class Controller:
         enough steps are timed."""
         cost = self._cost()
         return (
-            None if cost is None else policy.best_length([accept], [self.gmax], cost, self.gmax)[1]
+            None
+            if cost is None
+            else policy.best_length([accept], [self.gmax], cost, self.gmax, self.width)[1]
         )
+
+    def width(self, w: int) -> int:
+        """The width a window of ``w`` tokens is fed at (``target.padded_width``)."""
+        return target_mod.padded_width(w, self.widths)
 
     def _cost(self) -> Optional[policy.Cost]:
         """The verify cost as ``policy`` prices it, in plain steps, a draft
@@ -128,7 +143,7 @@ class Controller:
         if cost is None:
             grow = 2 if not self.auto_off else 0
             return min(self.gamma + grow, self.gmax) if all_kept else max(1, self.gamma - 1)
-        g, _ = policy.best_length([self.acceptance.alpha], [self.gmax], cost, self.gmax)
+        g, _ = policy.best_length([self.acceptance.alpha], [self.gmax], cost, self.gmax, self.width)
         return max(1, g)
 
     def tree_surcharge(self) -> float:
@@ -157,7 +172,7 @@ class Controller:
         self.spec.append((dt, a + 1))
         # A tree's forward is timed apart: its surcharge must not make chains look dear.
         (self.tree_verify if tree else self.verify).append(
-            (k + 1, dt - k * (self.draft_step or 0.0))
+            (self.width(k + 1), dt - k * (self.draft_step or 0.0))
         )
         self.acceptance.observe(k, a)
         if self.adaptive:

@@ -148,6 +148,7 @@ class VerifyLoop:
         self.logits_processors = logits_processors
         self.split = self._split()
         self.attention = target_mod.attention_policy()  # a bad MLX_LM_SPEC_ATTENTION fails here
+        self.widths = target_mod.window_widths()  # chains padded up to these (a GPU)
         self.ctx = DraftContext(
             model, self.target_cache, dcache, temp=self.rule.temp or 0.0, filter=self.rule.filt
         )
@@ -156,6 +157,7 @@ class VerifyLoop:
             max(num_draft_tokens, drafter.max_draft),
             adaptive=getattr(drafter, "adaptive", True),
             auto_off=getattr(drafter, "auto_off", True),
+            widths=self.widths,
         )
         self.st = stats_mod.SpecStats(
             drafter.name, gamma_start=self.ctl.gamma, gamma=self.ctl.gamma
@@ -304,9 +306,9 @@ class VerifyLoop:
             yield from self._nothing_drafted(remaining, t0)
             return
         self.misses = 0
-        lp, hidden, a, target_tok = self._verify(drafts, q)
+        lp, hidden, a, target_tok, fed = self._verify(drafts, q, self._pad_room(room))
         d = drafts.tolist()
-        ragged.keep(self.target_cache, k + 1, [list(range(a + 1))])
+        ragged.keep(self.target_cache, fed, [list(range(a + 1))])
         if self.trees is not None:
             self.trees.update(k, a)
         if hidden is not None:
@@ -350,6 +352,13 @@ class VerifyLoop:
                 limit = min(limit, self.quantized_kv_start - off - 1)
         return limit
 
+    def _pad_room(self, room):
+        """The widest window a round may feed: the caches' rollback room,
+        and short of the switch to a quantized cache (padding included)."""
+        if self.kv_bits is not None and self.start is not None:
+            room = min(room, self.quantized_kv_start - _offset(self.target_cache))
+        return room
+
     def _draft(self, k_req, t0):
         """The drafter's proposal as an array, and its probabilities (or None)."""
         drafts, q = self.drafter.draft(self.ctx, k_req)
@@ -379,16 +388,31 @@ class VerifyLoop:
         run = 1 if self.misses <= MISS_RUN else 1 << min(self.misses - MISS_RUN, 3)
         yield from self.plain(min(run, remaining), t0)
 
-    def _verify(self, drafts, q):
-        """One target forward over ``[y, drafts]``: the logprobs rows, the
-        hidden states (or None), the accepted count and the target's token."""
+    def _verify(self, drafts, q, room):
+        """One target forward over ``[y, drafts]``, padded up to one of
+        ``widths`` (within ``room``): the logprobs rows, the hidden states
+        (or None), the accepted count, the target's token and the width fed.
+
+        Padding comes after the window, so causal attention keeps the
+        window's rows what they were; it costs nothing where a forward is
+        memory-bound, and a request meets a few widths instead of one per
+        draft length, each with kernels and graphs built on first use."""
         win = sampling.chain(self.y, drafts, q)
-        logits, hidden = self.forward(win.tokens)
+        n = 1 + drafts.size
+        fed = target_mod.padded_width(n, self.widths)
+        fed = fed if fed <= room else n
+        tokens = win.tokens
+        if fed > n:
+            tokens = mx.concatenate([tokens, mx.zeros((fed - n,), mx.uint32)])
+        logits, hidden = self.forward(tokens)
         self.quantize()
+        if fed > n:
+            logits = logits[:n]
+            hidden = hidden[:n] if hidden is not None else None
         lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), win.tokens)
         # The logprobs rows stay lazy: only a consumer that reads them pays.
         path, target_tok = sampling.accept(win, lp, self.rule)
-        return lp, hidden, len(path) - 1, target_tok
+        return lp, hidden, len(path) - 1, target_tok, fed
 
     def _fall_back(self, room):
         """Warn once that the caches cannot be rolled back, and why."""

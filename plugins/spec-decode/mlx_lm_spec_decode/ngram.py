@@ -122,6 +122,9 @@ class NGramDrafter(Drafter):
     DECAY = 0.8
     MIN_TRIES = 3.0  # decayed tries before a length may be silenced
     MIN_HIT = 0.34
+    # Plain steps a verify column may cost for a short match still to
+    # propose its whole continuation (a memory-bound GPU's columns are free).
+    FREE_COLUMN = 0.03
 
     def __init__(
         self,
@@ -160,14 +163,22 @@ class NGramDrafter(Drafter):
         length, start = cache.match()
         if not length:
             return [], None
-        # A short match is a weak guess: propose about as many tokens as
-        # matched; only a full-length match gets the whole draft length.
-        tokens = cache.copy(start, n if length >= self.n_max else min(n, length))
+        tokens = cache.copy(start, self._length(ctx, n, length))
         ctx.state["guess"] = (length, tokens[0])
         tries, hits = ctx.state.setdefault("hits", {}).get(length, (0.0, 0.0))
         if tries >= self.MIN_TRIES and hits < self.MIN_HIT * tries:
             return [], None  # silent: the guess is only checked
         return tokens, None
+
+    def _length(self, ctx: DraftContext, n: int, length: int) -> int:
+        """Tokens to copy after a match of ``length``: a short match is a
+        weak guess, so about as many as matched, unless the verify's columns
+        cost nothing (``ctx.verify_cost``), where a longer guess only adds
+        chances; a full-length match gets the whole draft length."""
+        cost = ctx.verify_cost
+        if length >= self.n_max or (cost is not None and cost[1] <= self.FREE_COLUMN):
+            return n
+        return min(n, length)
 
     def draft_tree(self, ctx: DraftContext, n: int) -> list[tuple[list[int], float]]:
         """The continuations of the latest match of each heard length (a
@@ -180,7 +191,7 @@ class NGramDrafter(Drafter):
             start = cache.index.get(tuple(toks[len(toks) - length :]))
             if start is None or start in starts:
                 continue
-            tokens = cache.copy(start, n if length >= self.n_max else min(n, length))
+            tokens = cache.copy(start, self._length(ctx, n, length))
             if not starts:
                 ctx.state["guess"] = (length, tokens[0])  # the longest: checked in accept
             starts.add(start)

@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import ragged, sampling
+from . import target as target_mod
 from . import tree as tree_mod
 
 log = logging.getLogger("mlx_lm_spec_decode")
@@ -109,12 +110,18 @@ class TreeRounds:
         tokens, parents = self.pending
         self.pending = None
         loop.st.tree_rounds += 1
-        logits = tree_mod.forward(loop.model, loop.target_cache, tokens, parents, loop.attention)
+        # Padded up to the loop's widths as a chain hanging off the last
+        # node (after every node: no real node attends to it), as a chain is.
+        n = len(tokens)
+        fed = target_mod.padded_width(n, loop.widths)
+        pad_t, pad_p = tokens + [0] * (fed - n), parents + list(range(n - 1, fed - 1))
+        logits = tree_mod.forward(loop.model, loop.target_cache, pad_t, pad_p, loop.attention)
+        logits = logits[:n] if fed > n else logits
         # The loop's context ends with its pending token, the tree's root.
         before = loop.context[:-1] if loop.context is not None else None
         lp = sampling.window_logprobs(logits, loop.logits_processors, before, tokens, parents)
         path, tok = sampling.accept(sampling.Window(tokens, parents), lp, loop.rule)
-        ragged.keep(loop.target_cache, len(tokens), [path])
+        ragged.keep(loop.target_cache, fed, [path])
         a = len(path) - 1
         out = [tokens[i] for i in path[1:]] + [int(tok)]
         self.update(len(tokens) - 1, a, bool(tree_mod.children(parents)[path[-1]]))

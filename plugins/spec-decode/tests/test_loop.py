@@ -398,3 +398,51 @@ def test_drafting_resumes_when_guesses_start_to_hold(tiny_llama, repetitive_prom
     assert runs["guessing"].auto_off and runs["back-off only"].auto_off
     assert runs["guessing"].accepted > runs["back-off only"].accepted
     assert runs["guessing"].forwards < runs["back-off only"].forwards
+
+
+@pytest.mark.parametrize("which", ["ngram", "draft-model"])
+def test_padded_chain_windows_match_stock_and_leave_exact_caches(
+    tiny_llama, tiny_draft, which, repetitive_prompt, monkeypatch
+):
+    """Chain windows padded up to a few widths (as on a GPU, forced here with
+    MLX_LM_SPEC_WIDTHS): the outputs are stock's, the caches hold exactly
+    the sequence, and every verify forward runs at one of the widths (or
+    its own width past the largest)."""
+    monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", "4,8")
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    ref = stock(model, prompt, 40)
+    widths, call = [], type(model).__call__
+
+    def spy(self, inputs, *a, **kw):
+        if self is model:
+            widths.append(inputs.shape[1])
+        return call(self, inputs, *a, **kw)
+
+    if which == "ngram":
+        drafter = NGramDrafter(n_min=1, max_draft=10)
+    else:
+        drafter = DraftModelDrafter(tiny_draft, auto_off=False)
+    cache = make_prompt_cache(model) + drafter.make_cache()
+    monkeypatch.setattr(type(model), "__call__", spy)
+    out = spec(model, drafter, prompt, 40, k=4, cache=cache)
+    monkeypatch.setattr(type(model), "__call__", call)
+    assert out == ref
+    assert_exact(model, cache, prompt.tolist() + out)
+    verifies = [w for w in widths[1:] if w > 1]  # the first call is the prompt
+    assert verifies and all(w in (4, 8) or w > 8 for w in verifies), verifies
+    assert last_stats().drafted > 0
+
+
+def test_padding_never_crosses_the_switch_to_a_quantized_cache(
+    tiny_model, repetitive_prompt, monkeypatch
+):
+    monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", "8,16")
+    model, tok = load(str(tiny_model("llama", head_dim=32)))
+    prompt = repetitive_prompt(tok)
+    kw = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=prompt.size + 5)
+    ref = [int(t) for t, _ in generate_step(prompt, model, max_tokens=20, **kw)]
+    drafter = NGramDrafter(n_min=1)
+    cache = make_prompt_cache(model) + drafter.make_cache()
+    assert spec(model, drafter, prompt, 20, k=4, cache=cache, **kw) == ref
+    assert cache[0].offset == prompt.size + 20

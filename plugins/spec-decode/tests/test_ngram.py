@@ -100,3 +100,17 @@ def test_match_length_that_keeps_failing_is_silenced_and_heard_again():
         guess = ctx.state["guess"][1]
         d.accept(ctx, [guess, 1, 2], 1 if tokens else 0)
     assert d.draft(ctx, 1)[0]
+
+
+def test_short_match_proposes_its_whole_copy_only_where_columns_are_free():
+    from mlx_lm_spec_decode import DraftContext
+
+    d = NGramDrafter(n_max=4, n_min=2)
+    history = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2]  # "1 2" matched before: a short match
+    lengths = {}
+    for name, cost in (("unmeasured", None), ("dear", (1.0, 0.2)), ("free", (1.0, 0.0))):
+        ctx = DraftContext(None, [], d.make_cache(), verify_cost=cost)
+        d.prefill(ctx, history)
+        lengths[name] = d.draft(ctx, 6)[0]
+    assert lengths["unmeasured"] == lengths["dear"] == [3, 4]  # about as many as matched
+    assert lengths["free"] == [3, 4, 5, 6, 7, 9]  # the whole copy: it costs no more
