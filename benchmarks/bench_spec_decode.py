@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import add_target_args, load_target, print_header, target_name
+from common import add_target_args, load_target, print_header, same_tokens, target_name
 from mlx_lm import load, stream_generate
 
 import mlx_lm_ext
@@ -162,7 +162,7 @@ def bench(target, tok, drafters, max_tokens, select=None, repeats=2):
                 method=method,
                 tps=tps,
                 ratio=tps / base_tps,
-                same="yes" if text == base_text else "NO",
+                same=same_tokens([tok.encode(text)], [tok.encode(base_text)]),
             )
             if st is not None:
                 row.update(accept=f"{100 * st.acceptance:.0f}%", tpf=f"{st.tokens_per_forward:.2f}")

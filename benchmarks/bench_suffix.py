@@ -51,7 +51,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from bench_spec_decode import prompts as single_prompts
-from common import add_target_args, load_target, print_header, target_name
+from common import add_target_args, load_target, print_header, same_tokens, target_name
 from mlx_lm import stream_generate
 
 import mlx_lm_ext
@@ -196,7 +196,7 @@ def bench(model, tok, name, requests, max_tokens, repeats, methods):
     rows = []
     for method, _ in methods:
         tps, (outs, _n, _s, fig, drafter) = best[method]
-        same = "-" if method == "stock" else ("yes" if outs == base_out else "NO")
+        same = "-" if method == "stock" else same_tokens(outs, base_out)
         fig = None if method == "stock" else fig
         rows.append(row(name, method, tps, base_tps, ngram_tps, fig, drafter, same))
     print(table(rows), flush=True)

@@ -267,6 +267,22 @@ class Timing:
         }
 
 
+def same_tokens(ours, stock) -> str:
+    """``yes`` where every output's tokens equal stock's, else ``NO`` with
+    how many outputs differ and the first token where each does (bfloat16
+    verify forwards round differently from one-token steps: a near-tie can
+    flip, and the text goes its own way from there)."""
+    outs = [(list(o), list(s)) for o, s in zip(ours, stock, strict=True)]
+    at = [
+        next((i for i, (x, y) in enumerate(zip(o, s, strict=False)) if x != y), min(len(o), len(s)))
+        for o, s in outs
+        if o != s
+    ]
+    if not at:
+        return "yes"
+    return f"NO ({len(at)}/{len(outs)} differ, from token {', '.join(map(str, at))})"
+
+
 def timed(fn, *args, repeats: int = 5, warmup: int = 1, clock=None):
     """``(Timing, last result)`` of ``fn(*args)`` run ``warmup + repeats`` times.
 

@@ -63,6 +63,22 @@ class Controller:
         self.why = ""  # why drafting was last switched off
         self.need = self.MIN_ROUNDS
         self.acceptance = policy.Acceptance()
+        self.carried = False  # plain steps timed by an earlier request (``carry``)
+
+    def carry(self, timings: tuple) -> None:
+        """Start from an earlier request's ``timings()`` of the same drafter
+        and target: the machine does not change between requests, so its
+        plain steps are not timed again before drafting starts, and its
+        verify cost is known from the first round."""
+        plain, verify = timings
+        self.plain.extend(plain)
+        self.verify.extend(verify)
+        if len(self.plain) >= 2:
+            self.probe, self.carried = 0, True
+
+    def timings(self) -> tuple:
+        """What this request timed of plain steps and verifies, for ``carry``."""
+        return tuple(self.plain), tuple(self.verify)
 
     def want(self) -> int:
         """Tokens to draft this round (0: a plain step, to time it)."""
@@ -131,7 +147,7 @@ class Controller:
         if len(self.plain) < 2 or len([w for w, _ in self.verify if w > 1]) < self.VERIFY_SAMPLES:
             return None
         p = min(self.plain)
-        extra, b = policy.fit(((w, t / p) for w, t in self.verify), 1.0)
+        extra, b = policy.fit(((w, t / p) for w, t in self.verify), 1.0, bool(self.widths))
         return 1.0 + extra - b, b
 
     def _next_gamma(self, all_kept: bool) -> int:
@@ -181,7 +197,7 @@ class Controller:
             return
         # Measure a plain step now and then: a draft model never yields one,
         # and other processes on the machine change both figures over time.
-        if self.rounds == 2:
+        if self.rounds == 2 and not self.carried:
             self.probe = 2
         elif self.rounds % 12 == 0:
             self.probe = 1

@@ -27,6 +27,7 @@ left holding exactly what was yielded, whatever stopped the consumer).
 
 import logging
 import time
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
@@ -49,6 +50,12 @@ Step = tuple[int, mx.array, bool]  # (token, logprobs [V], from_draft)
 # Drafting rounds in a row with nothing proposed before plain steps come in
 # pipelined runs: a copy's short gaps (a renamed word) stay single steps.
 MISS_RUN = 4
+
+
+# Per drafter: its target (a weak reference), the widths its windows were
+# padded to and what its last request timed (``Controller.timings``); the
+# next request of the same pair starts from it (``Controller.carry``).
+_TIMINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def n_target_caches(model: nn.Module) -> int:
@@ -159,6 +166,7 @@ class VerifyLoop:
             auto_off=getattr(drafter, "auto_off", True),
             widths=self.widths,
         )
+        self._carry_timings()
         self.st = stats_mod.SpecStats(
             drafter.name, gamma_start=self.ctl.gamma, gamma=self.ctl.gamma
         )
@@ -175,6 +183,20 @@ class VerifyLoop:
         self.free = False  # the drafter computes nothing on the device (lists of ids)
         self.start = _offset(self.target_cache)
         self.trees = tree_verify.TreeRounds.start(self)  # None: chains only
+
+    def _carry_timings(self):
+        try:
+            seen = _TIMINGS.get(self.drafter)
+        except TypeError:  # a drafter without weak references: timed per request
+            return
+        if seen is not None and seen[0]() is self.model and seen[1] == self.widths:
+            self.ctl.carry(seen[2])
+
+    def _keep_timings(self):
+        try:
+            _TIMINGS[self.drafter] = (weakref.ref(self.model), self.widths, self.ctl.timings())
+        except TypeError:
+            pass
 
     def _drafter_caches(self):
         """The drafter's caches from the prompt cache, rebuilt in place
@@ -208,6 +230,7 @@ class VerifyLoop:
                 yield from self.rounds()
             finally:
                 self.settle()
+                self._keep_timings()
                 self.st.gamma = self.ctl.gamma
                 log.info(self.st.line())
 

@@ -25,12 +25,18 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha**j for j in range(k + 1))
 
 
-def fit(samples: Iterable[Tuple[int, float]], p: float) -> Tuple[float, float]:
+def fit(
+    samples: Iterable[Tuple[int, float]], p: float, padded: bool = False
+) -> Tuple[float, float]:
     """``(extra, b)`` from verify rounds' ``(width, seconds)`` against a plain
     step of ``p`` seconds: with two widths or more, a line through each
     width's median (least squares) whose intercept, less the plain step, is
     ``extra``; otherwise (one width, or a line below the plain step)
-    ``extra`` is 0 and each round's excess is all columns."""
+    ``extra`` is 0 and each round's excess is all columns, unless windows
+    are ``padded`` (a memory-bound device, ``target.window_widths``): there
+    one width's excess is all ``extra``, columns free until a second width
+    is timed. (Priced as columns, one padded width's excess keeps the draft
+    length inside it, and no second width is ever timed.)"""
     widths: dict = {}
     for w, t in samples:
         if w > 1:
@@ -38,6 +44,8 @@ def fit(samples: Iterable[Tuple[int, float]], p: float) -> Tuple[float, float]:
     if not widths:
         return 0.0, 0.0
     xs, ys = list(widths), [median(v) for v in widths.values()]
+    if padded and len(xs) == 1:
+        return max(0.0, ys[0] - p), 0.0
     extra, b = 0.0, max(0.0, median((t - p) / x for x, t in zip(xs, ys, strict=True)))
     if len(xs) >= 2:
         mx_, my = fmean(xs), fmean(ys)

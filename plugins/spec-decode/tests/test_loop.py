@@ -446,3 +446,28 @@ def test_padding_never_crosses_the_switch_to_a_quantized_cache(
     cache = make_prompt_cache(model) + drafter.make_cache()
     assert spec(model, drafter, prompt, 20, k=4, cache=cache, **kw) == ref
     assert cache[0].offset == prompt.size + 20
+
+
+def test_a_drafters_next_request_starts_from_its_timings(tiny_llama, repetitive_prompt):
+    """The same drafter on the same target: the second request drafts from
+    its first token instead of timing plain steps again (the same tokens);
+    a new drafter times them afresh."""
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    ref = stock(model, prompt, 40)
+
+    class Watched(NGramDrafter):  # how many tokens each request emitted before its first draft
+        def prefill(self, ctx, tokens):
+            super().prefill(ctx, tokens)
+            self.first.append(None)
+
+        def draft(self, ctx, n):
+            if self.first[-1] is None:
+                self.first[-1] = len(ctx.cache[0].tokens) - prompt.size
+            return super().draft(ctx, n)
+
+    drafter, fresh = Watched(n_min=1), Watched(n_min=1)
+    drafter.first, fresh.first = [], []
+    for d in (drafter, drafter, fresh):
+        assert spec(model, d, prompt, 40) == ref
+    assert drafter.first == [2, 0] and fresh.first == [2], (drafter.first, fresh.first)

@@ -61,3 +61,17 @@ def test_the_serial_draft_length_is_the_batch_rule_for_one_row(column, long_):
     # Where no length beats plain steps the batch runs none; the serial loop
     # keeps γ 1 and leaves it to its switch-off.
     assert max(1, batch.choose(1, [12], [acc.alpha])) == ctl.gamma
+
+
+def test_padded_windows_at_one_width_price_their_excess_as_the_verify_not_its_columns():
+    """Where windows are padded (a GPU), rounds timed at one width alone
+    must not make the columns look dear, or γ stays inside that width and a
+    second width is never timed: the serial controller drafts past it."""
+    assert policy.fit([(4, 1.6)] * 3, 1.0, padded=True) == pytest.approx((0.6, 0.0))
+    for widths, long_ in (((4, 8, 12, 16), True), ((), False)):
+        ctl = Controller(3, 12, widths=widths)
+        ctl.update(0, 0, 1.0)
+        ctl.update(0, 0, 1.0)
+        for _ in range(4):
+            ctl.update(3, 2, 1.6)  # window 4: 0.6 steps more than a plain step
+        assert (ctl.gamma > 3) == long_, (widths, ctl.gamma)
