@@ -15,7 +15,8 @@ inside each, the consumer's time outside the generator excluded):
 - ``emit``: figures, controller, drafter told, tokens yielded (``_emit``);
 - ``other``: the rest of a drafting round;
 
-per verified round in ms, next to stock's pipelined step (the same
+per verified round in ms, after ``--warmup`` untimed passes of each
+workload (stock and ours), next to stock's pipelined step (the same
 requests, ``stream_generate`` without a drafter) and a synchronous forward
 of the widths the rounds ran at (built, evaluated, read back: what a round
 cannot go below). Plain steps of our loop (the controller's probes, runs
@@ -146,7 +147,14 @@ def sync_forward(model, widths, reps=9, prefix=256):
     return out
 
 
-def profile(model, tok, name, requests, max_tokens, make):
+def profile(model, tok, name, requests, max_tokens, make, warmup=1):
+    # Untimed first: kernels, graphs and attention plans built on first use
+    # of each width and cache length would otherwise land in the rounds.
+    for _ in range(warmup):
+        drafter = make()
+        for p in requests:
+            generate(model, tok, p, max_tokens)
+            generate(model, tok, p, max_tokens, drafter)
     stock_tokens = stock_s = 0.0
     for p in requests:
         n, s, _ = generate(model, tok, p, max_tokens)
@@ -194,6 +202,7 @@ def main():
     p.add_argument("--agent-max-tokens", type=int, default=64)
     p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="default: MLX's")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--warmup", type=int, default=1, help="untimed passes per workload first")
     add_target_args(p)
     args = p.parse_args()
     if args.device:
@@ -222,7 +231,7 @@ def main():
                     lambda: sd.NGramDrafter(tree=False),
                 )
             )
-    results = [profile(model, tok, *r) for r in runs]
+    results = [profile(model, tok, *r, warmup=args.warmup) for r in runs]
     widths = sorted({w for r in results for w in r["acc"]["widths"]})
     sync = sync_forward(model, widths)
     print(
