@@ -332,7 +332,7 @@ class BatchController:
             return None
         p = self._plain_at(bp)
         pv = self._plain_at(self._near(self.plain, bv, 1))
-        extra, b = policy.fit(self.verify[bv], pv, bool(self.widths))
+        extra, b = policy.fit(self.verify[bv], pv)
         # Measured on fewer rows, a column costs at most proportionally more.
         return p, extra, b * max(1.0, B / bv)
 
