@@ -365,8 +365,13 @@ class VerifyLoop:
 
     def _draft_limit(self, remaining, room):
         """Most tokens a round may draft: within ``max_tokens``, the caches'
-        rollback room, and short of the switch to a quantized cache."""
+        rollback room, the widest padded width, and short of the switch to a
+        quantized cache."""
         limit = min(remaining - 1, room - 1)
+        if self.widths:
+            # Past the widest padded width a window runs at its own width,
+            # and its attention through kernels built per cache length.
+            limit = min(limit, self.widths[-1] - 1)
         if self.kv_bits is not None and self.start is not None:
             off = _offset(self.target_cache)
             if off < self.quantized_kv_start:
