@@ -497,16 +497,13 @@ class SpecGenerationBatch(GenerationBatch):
         wins = [
             sampling.Window(w[:n], p[:n]) for w, p, n in zip(windows, parents, sizes, strict=True)
         ]
-        # On a CUDA GPU the window's attention runs over the cache's whole
-        # buffer ("padded"): the fused op there builds a cuDNN graph per shape.
+        # On a CUDA GPU in half precision the window's attention runs as
+        # matmuls: the fused op there builds a cuDNN graph per cache length.
         policy = target_mod.attention_policy()
+        policy = "explicit" if policy == "padded" else policy  # padded: plain caches only
         if any(branching):
-            # Trees are built on known pending tokens: the windows are the inputs;
-            # their ancestor masks take the explicit form.
-            tree_policy = "explicit" if policy == "padded" else policy
-            logits = tree_mod.batch_forward(
-                self.model, self.prompt_cache, windows, parents, tree_policy
-            )
+            # Trees are built on known pending tokens: the windows are the inputs.
+            logits = tree_mod.batch_forward(self.model, self.prompt_cache, windows, parents, policy)
         else:
             with (
                 target_mod.verify_attention(self.model, W, policy),

@@ -6,7 +6,7 @@ import os
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache
 
 from mlx_lm_ext import api as host
 from mlx_lm_ext.api import backbone
@@ -143,69 +143,32 @@ def explicit_attention(
 
 
 def padded_attention(
-    queries: mx.array,
-    cache: Any,
-    scale: float,
-    masks: Dict[tuple, Any],
-    mask: Union[None, str, mx.array] = None,
-    length: Optional[int] = None,
+    queries: mx.array, cache: Any, scale: float, masks: Dict[tuple, mx.array]
 ) -> Optional[mx.array]:
-    """The fused op over ``cache``'s whole buffer, keys past what the window
-    may see masked; ``None`` where it does not apply. The buffer grows 256
-    keys at a time, so the op meets one shape per 256 tokens instead of one
-    per cache length (on CUDA it builds a cuDNN graph per shape).
-
-    A ``KVCache`` takes the causal window (``mask`` None or "causal"); a
-    batch's cache (``BatchKVCache``, the ragged one) its own boolean mask
-    ``[B, 1, n, length]`` over the ``length`` keys it returned (rows' left
-    padding and holes included), padded out to the buffer. ``masks`` holds
-    one bias per forward, shared by its layers."""
+    """The fused op over ``cache``'s whole buffer (``KVCache`` only), rows
+    past the window's causal limit masked; ``None`` where it does not apply."""
     full_k, full_v = getattr(cache, "keys", None), getattr(cache, "values", None)
-    if full_k is None or full_v is None:
+    if type(cache) is not KVCache or full_k is None or full_v is None:
         return None
-    n, t = queries.shape[2], full_k.shape[2]
+    n, s, t = queries.shape[2], cache.offset, full_k.shape[2]
+    if t < s:
+        return None
     # Query rows padded to a power of two (4, 8, 16): an adaptive draft
     # length then meets at most three graphs per buffer size, not fifteen.
     # Padding rows are zeros whose outputs are dropped.
     rows = max(4, 1 << (n - 1).bit_length())
-    low = mx.array(mx.finfo(queries.dtype).min, queries.dtype)
-    if type(cache) is KVCache and (mask is None or isinstance(mask, str)):
-        s = cache.offset
-        if t < s or (length is not None and length != s):
-            return None
-        key = (n, s, t, queries.dtype)
-        if key not in masks:
-            keep = mx.arange(t)[None] <= (s - n + mx.arange(rows))[:, None]
-            masks[key] = mx.where(keep, mx.array(0, queries.dtype), low)[None, None]
-    elif _batch_mask(cache, mask, length, t):
-        key = (id(mask), rows, t, queries.dtype)
-        if key not in masks:
-            b, _, _, s = mask.shape
-            keep = mx.concatenate([mask, mx.zeros((b, 1, n, t - s), mx.bool_)], axis=3)
-            keep = mx.concatenate([keep, mx.zeros((b, 1, rows - n, t), mx.bool_)], axis=2)
-            masks[key] = mx.where(keep, mx.array(0, queries.dtype), low)
-            masks[("held",) + key] = mask  # its id stays this mask's for the forward
-    else:
-        return None
+    key = (n, s, t, queries.dtype)
+    bias = masks.get(key)
+    if bias is None:
+        keep = mx.arange(t)[None] <= (s - n + mx.arange(rows))[:, None]
+        low = mx.array(mx.finfo(queries.dtype).min, queries.dtype)
+        bias = masks[key] = mx.where(keep, mx.array(0, queries.dtype), low)[None, None]
     q = queries
     if rows > n:
         b, h, _, d = queries.shape
         q = mx.concatenate([queries, mx.zeros((b, h, rows - n, d), queries.dtype)], axis=2)
-    out = mx.fast.scaled_dot_product_attention(q, full_k, full_v, scale=scale, mask=masks[key])
+    out = mx.fast.scaled_dot_product_attention(q, full_k, full_v, scale=scale, mask=bias)
     return out[:, :, :n] if rows > n else out
-
-
-def _batch_mask(cache: Any, mask: Any, length: Optional[int], t: int) -> bool:
-    """Whether ``mask`` is a batch cache's boolean mask over its ``length`` keys."""
-    return (
-        isinstance(cache, BatchKVCache)
-        and isinstance(mask, mx.array)
-        and mask.dtype == mx.bool_
-        and mask.ndim == 4
-        and mask.shape[1] == 1
-        and mask.shape[-1] == length == cache._idx
-        and length <= t
-    )
 
 
 @contextlib.contextmanager
@@ -228,8 +191,12 @@ def verify_attention(model: Any, width: int, policy: Optional[str] = None) -> It
                 or not 1 < queries.shape[2] <= EXPLICIT_MAX_QUERIES
             ):
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-            if policy == "padded":
-                out = padded_attention(queries, cache, scale, masks, mask, keys.shape[2])
+            if (
+                policy == "padded"
+                and (mask is None or isinstance(mask, str))
+                and keys.shape[2] == cache.offset
+            ):
+                out = padded_attention(queries, cache, scale, masks)
                 if out is not None:
                     return out
             return explicit_attention(queries, keys, values, scale, mask)

@@ -610,27 +610,3 @@ def test_window_widths_follow_the_device_and_the_override(monkeypatch):
         monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", bad)
         with pytest.raises(ValueError, match="MLX_LM_SPEC_WIDTHS"):
             target_mod.window_widths()
-
-
-def test_padded_attention_in_the_batch_matches_stock(llama, monkeypatch):
-    """The batch's verify attention over its caches' whole buffers (the
-    CUDA default, forced here): outputs and caches stay stock's, and the
-    padded form did run."""
-    from mlx_lm_spec_decode import target as target_mod
-
-    monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", "padded")
-    monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", "4,8")
-    ran, real = [], target_mod.padded_attention
-
-    def counted(*a, **kw):
-        out = real(*a, **kw)
-        ran.append(out is not None)
-        return out
-
-    monkeypatch.setattr(target_mod, "padded_attention", counted)
-    model, tok = llama
-    prompts, late, kw, stock = greedy_case(model, tok)
-    gen = SpecBatchGenerator(model, NGramDrafter(n_min=1, auto_off=False), 4, 10)
-    ours = drive(gen, prompts, [40, 25, 60], late, **kw)
-    assert_same(stock, ours)
-    assert ran and all(ran)  # every chain verify took the padded form

@@ -144,35 +144,3 @@ def test_fused_policy_leaves_attention_alone(tiny_llama, repetitive_prompt, monk
         )
     )
     assert not seen
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 9])
-def test_padded_attention_over_a_batch_cache_matches_its_mask(n):
-    """A batch's cache (left padding, a ragged row's holes) through the
-    fused op over its whole buffer equals the fused op over the keys it
-    returned with its own mask."""
-    from mlx_lm.models.cache import BatchKVCache
-
-    from mlx_lm_spec_decode.ragged import RaggedKVCache
-
-    hq, hkv, d = 6, 2, 16
-    for kind in (BatchKVCache, RaggedKVCache):
-        cache = BatchKVCache(left_padding=[3, 0])
-        _, k, v = _qkv(hq, hkv, 1, 20, d, seed=3)
-        cache.update_and_fetch(k, v)
-        if kind is RaggedKVCache:
-            cache = RaggedKVCache.of(cache)
-        mask = cache.make_mask(n, return_array=True)
-        q, k_new, v_new = _qkv(hq, hkv, n, n, d, seed=4)
-        keys, values = cache.update_and_fetch(k_new, v_new)
-        assert cache.keys.shape[2] > keys.shape[2]  # the buffer is longer than the keys
-        ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask=mask)
-        got = target_mod.padded_attention(q, cache, 0.25, {}, mask, keys.shape[2])
-        assert got is not None and got.shape == ref.shape
-        assert mx.allclose(got, ref, atol=1e-5, rtol=1e-5).item(), kind.__name__
-    # Another mask form (additive) or a stale length is left to the other paths.
-    assert (
-        target_mod.padded_attention(q, cache, 0.25, {}, mask.astype(mx.float32), keys.shape[2])
-        is None
-    )
-    assert target_mod.padded_attention(q, cache, 0.25, {}, mask, keys.shape[2] - 1) is None
