@@ -68,17 +68,22 @@ class Controller:
     def carry(self, timings: tuple) -> None:
         """Start from an earlier request's ``timings()`` of the same drafter
         and target: the machine does not change between requests, so its
-        plain steps are not timed again before drafting starts, and its
-        verify cost is known from the first round."""
-        plain, verify = timings
+        plain steps are not timed again before drafting starts, its verify
+        cost is known from the first round, and a draft model's step is not
+        timed again."""
+        plain, verify, draft_step = timings
         self.plain.extend(plain)
         self.verify.extend(verify)
         if len(self.plain) >= 2:
             self.probe, self.carried = 0, True
+        if draft_step is not None and self.timed < 2:
+            self.draft_step, self.timed = draft_step, 2  # its drafts need no timing
 
     def timings(self) -> tuple:
-        """What this request timed of plain steps and verifies, for ``carry``."""
-        return tuple(self.plain), tuple(self.verify)
+        """What this request timed of plain steps, verifies and a draft
+        step (None: not timed, or a free drafter), for ``carry``."""
+        step = self.draft_step if self.timed >= 2 else None
+        return tuple(self.plain), tuple(self.verify), step
 
     def want(self) -> int:
         """Tokens to draft this round (0: a plain step, to time it)."""
@@ -98,8 +103,11 @@ class Controller:
         self.timed = 2
 
     def drafted(self, k: int, seconds: float) -> None:
+        # The fastest timed draft: a process's first one also builds the
+        # draft model's kernels, and would switch a paying drafter off.
         self.timed += 1
-        self.draft_step = seconds / k
+        step = seconds / k
+        self.draft_step = step if self.draft_step is None else min(self.draft_step, step)
 
     def _switch_off(self, why, for_good=False):
         # Too costly a drafter stays off (the machine will not change within
@@ -204,7 +212,11 @@ class Controller:
         if not self.plain:
             return
         plain = sorted(self.plain)[(len(self.plain) - 1) // 2]
-        if self.draft_step is not None and self.draft_step >= self.DRAFT_COST * plain:
+        if (
+            self.draft_step is not None
+            and self.timed >= 2
+            and self.draft_step >= self.DRAFT_COST * plain
+        ):
             self._switch_off("a draft step costs about as much as a target step", True)
         elif self.verify_cannot_pay():
             sure = len([w for w, _ in self.verify if w > 1]) >= self.VERIFY_SURE

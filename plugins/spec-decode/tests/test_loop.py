@@ -471,3 +471,37 @@ def test_a_drafters_next_request_starts_from_its_timings(tiny_llama, repetitive_
     for d in (drafter, drafter, fresh):
         assert spec(model, d, prompt, 40) == ref
     assert drafter.first == [2, 0] and fresh.first == [2], (drafter.first, fresh.first)
+
+
+def test_a_slow_first_draft_does_not_switch_a_cheap_drafter_off(tiny_llama, repetitive_prompt):
+    """A computing drafter whose first draft is slow (a process's first
+    builds its kernels) and later ones cheap is not switched off for the
+    request as too dear a drafter, nor is its next request, which carries
+    the draft step."""
+    import time as _time
+
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    ref = stock(model, prompt, 60)
+
+    class FirstSlow(Drafter):  # the right tokens as an array, the first call slow
+        name = "first-slow"
+        calls = 0
+
+        def draft(self, ctx, n):
+            FirstSlow.calls += 1
+            if FirstSlow.calls == 1:
+                _time.sleep(0.5)
+            pos = len(ctx.state.setdefault("seq", [])) if "seq" in ctx.state else 0
+            return mx.array(ref[pos : pos + n] or [0], mx.uint32)[:n], None
+
+        def accept(self, ctx, tokens, n_drafted):
+            ctx.state.setdefault("seq", []).extend(tokens)
+
+    drafter = FirstSlow()
+    assert spec(model, drafter, prompt, 60, k=3) == ref
+    first = last_stats()  # its slow round may cost a back-off, not the request
+    assert not first.off_for_good and first.drafted > 0, first
+    assert spec(model, drafter, prompt, 60, k=3) == ref
+    again = last_stats()  # the carried draft step: cheap, never judged too dear
+    assert not again.off_for_good and again.accepted == again.drafted > 0, again
