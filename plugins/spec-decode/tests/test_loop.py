@@ -330,6 +330,8 @@ def test_verify_cost_model_switches_off_where_drafting_cannot_pay(verify_cost, o
     ctl = Controller(3, 10)
     ctl.update(0, 0, 1.0)
     ctl.update(0, 0, 1.02)
+    ctl.update(3, 3, 9.0)  # the first round at a width (its kernels built) is left out
+    assert not ctl.switched_off
     for k, a in ((3, 3), (3, 1)):  # rounds that accept well
         assert not ctl.switched_off
         ctl.update(k, a, verify_cost(k + 1))
@@ -412,6 +414,7 @@ def test_padded_chain_windows_match_stock_and_leave_exact_caches(
     model, tok = tiny_llama
     prompt = repetitive_prompt(tok)
     ref = stock(model, prompt, 40)
+    spec(model, NGramDrafter(n_min=1), prompt, 4)  # the model's one-off tree check first
     widths, call = [], type(model).__call__
 
     def spy(self, inputs, *a, **kw):
