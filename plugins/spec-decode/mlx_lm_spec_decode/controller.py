@@ -64,7 +64,6 @@ class Controller:
         self.need = self.MIN_ROUNDS
         self.acceptance = policy.Acceptance()
         self.carried = False  # plain steps timed by an earlier request (``carry``)
-        self.shapes: set = set()  # the (fed width, tree) of the rounds run
 
     def carry(self, timings: tuple) -> None:
         """Start from an earlier request's ``timings()`` of the same drafter
@@ -72,10 +71,9 @@ class Controller:
         plain steps are not timed again before drafting starts, its verify
         cost is known from the first round, and a draft model's step is not
         timed again."""
-        plain, verify, draft_step, shapes = timings
+        plain, verify, draft_step = timings
         self.plain.extend(plain)
         self.verify.extend(verify)
-        self.shapes |= shapes
         if len(self.plain) >= 2:
             self.probe, self.carried = 0, True
         if draft_step is not None and self.timed < 2:
@@ -83,10 +81,9 @@ class Controller:
 
     def timings(self) -> tuple:
         """What this request timed of plain steps, verifies and a draft
-        step (None: not timed, or a free drafter), and the round shapes it
-        met, for ``carry``."""
+        step (None: not timed, or a free drafter), for ``carry``."""
         step = self.draft_step if self.timed >= 2 else None
-        return tuple(self.plain), tuple(self.verify), step, frozenset(self.shapes)
+        return tuple(self.plain), tuple(self.verify), step
 
     def want(self) -> int:
         """Tokens to draft this round (0: a plain step, to time it)."""
@@ -196,17 +193,11 @@ class Controller:
             self.plain.append(dt)
             return
         self.rounds += 1
-        w = self.width(k + 1)
-        if (w, tree) in self.shapes:
-            self.spec.append((dt, a + 1))
-            # A tree's forward is timed apart: its surcharge must not make chains look dear.
-            (self.tree_verify if tree else self.verify).append(
-                (w, dt - k * (self.draft_step or 0.0))
-            )
-        else:
-            # The first round at each width builds the kernels (on a GPU, the
-            # graphs) that later ones reuse: left out, as the batch does.
-            self.shapes.add((w, tree))
+        self.spec.append((dt, a + 1))
+        # A tree's forward is timed apart: its surcharge must not make chains look dear.
+        (self.tree_verify if tree else self.verify).append(
+            (self.width(k + 1), dt - k * (self.draft_step or 0.0))
+        )
         self.acceptance.observe(k, a)
         if self.adaptive:
             self.gamma = self._next_gamma(a == k)

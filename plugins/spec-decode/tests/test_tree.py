@@ -88,11 +88,10 @@ def test_tree_surcharge_is_timed_apart_from_chains():
     ctl = Controller(3, 16)
     for dt in (1.0, 1.0):
         ctl.update(0, 0, dt)
-    for w in (4, 4, 8, 8):  # each width's first round (its kernels built) is left out
+    for w in (4, 8):
         ctl.update(w - 1, 1, 1.0 + 0.05 * (w - 1))
     assert ctl.tree_surcharge() == 0.0  # no tree timed yet
-    for _ in range(2):
-        ctl.update(5, 2, 2.5, tree=True)  # a six-wide tree at 2.5 steps
+    ctl.update(5, 2, 2.5, tree=True)  # a six-wide tree at 2.5 steps
     a, b = ctl.verify_cost()
     assert b == pytest.approx(0.05) and ctl.tree_surcharge() == pytest.approx(2.5 - a - 6 * b)
 
