@@ -42,7 +42,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_spec_decode import passage, stdlib_function  # noqa: E402
-from common import add_target_args, batch_levels, print_header, target_name, target_path  # noqa: E402
+from common import (  # noqa: E402
+    add_device_args,
+    add_target_args,
+    batch_levels,
+    print_header,
+    target_name,
+    target_path,
+)
 
 SERVE = (
     "import sys, mlx.core as mx; mx.set_default_device(getattr(mx, sys.argv.pop(1))); "
@@ -194,8 +201,7 @@ def burst(port, prompts, max_tokens, clients=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    add_device_args(ap, "cpu")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)

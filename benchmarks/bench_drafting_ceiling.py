@@ -50,7 +50,14 @@ import numpy as np
 from bench_batch_spec import OPEN, grounded
 from bench_spec_decode import prompts as single_prompts
 from bench_suffix import NEAR_WORDINGS, agent_requests, chat
-from common import add_target_args, load_target, print_header, target_name
+from common import (
+    add_device_args,
+    add_target_args,
+    load_target,
+    print_header,
+    set_device,
+    target_name,
+)
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -207,14 +214,12 @@ def nearest_batch(B, batches):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="default: MLX's")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add_device_args(p)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--concurrency", default="1,2,4,8")
     add_target_args(p)
     args = p.parse_args()
-    if args.device:
-        mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    set_device(args)
     print_header()
     model, tok = load_target(args, args.dtype)
     levels = [int(c) for c in args.concurrency.split(",")]

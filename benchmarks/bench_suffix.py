@@ -51,7 +51,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from bench_spec_decode import prompts as single_prompts
-from common import add_target_args, load_target, print_header, same_tokens, target_name
+from common import (
+    add_device_args,
+    add_target_args,
+    load_target,
+    print_header,
+    same_tokens,
+    set_device,
+    target_name,
+)
 from mlx_lm import stream_generate
 
 import mlx_lm_ext
@@ -283,14 +291,12 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--only", nargs="*", help="substrings of workload names to run")
     p.add_argument("--json", default=None, help="also write every row to this file")
-    p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="default: MLX's")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add_device_args(p)
     p.add_argument("--no-trees", action="store_true", help="skip the +tree methods")
     add_target_args(p)
     args = p.parse_args()
 
-    if args.device:
-        mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    set_device(args)
     print_header()
     mlx_lm_ext.enable("spec-decode")
     model, tok = load_target(args, args.dtype)

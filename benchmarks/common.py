@@ -17,6 +17,24 @@ from mlx_lm_ext import models, standin
 BASE = "smollm2-135m-f32"
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_device_args(p: argparse.ArgumentParser, device=None) -> None:
+    """``--device cpu|gpu`` (default ``device``; None: MLX's own) and ``--dtype``."""
+    default = device or "MLX's"
+    p.add_argument("--device", choices=("cpu", "gpu"), default=device, help=f"default: {default}")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+
+
+def set_device(args: argparse.Namespace) -> None:
+    """``args.device`` as MLX's default device, where one was given."""
+    if args.device:
+        import mlx.core as mx
+
+        mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+
+
 def _size(text):
     try:
         standin.parse_size(text)

@@ -46,7 +46,15 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_batch_spec import OPEN, grounded  # noqa: E402
-from common import add_target_args, batch_levels, load_target, print_header, target_name  # noqa: E402
+from common import (  # noqa: E402
+    add_device_args,
+    add_target_args,
+    batch_levels,
+    load_target,
+    print_header,
+    set_device,
+    target_name,
+)
 
 from mlx_lm_spec_decode import NGramDrafter  # noqa: E402
 from mlx_lm_spec_decode import batch as batch_mod  # noqa: E402
@@ -292,8 +300,7 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="")
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    add_device_args(ap, "cpu")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--draft-tree", choices=["auto", "off"], default="auto")
@@ -325,7 +332,7 @@ def main():
     levels, kinds = batch_levels(ap, args)
     if args.compact_holes is not None:
         ragged_mod.COMPACT_HOLES = args.compact_holes
-    mx.set_default_device(getattr(mx, args.device))
+    set_device(args)
     print_header()
     model, tok = load_target(args, args.dtype)
     print(

@@ -18,11 +18,16 @@ import os
 import sys
 from pathlib import Path
 
-import mlx.core as mx
-
 sys.path.insert(0, str(Path(__file__).parent))
 import profile_batch_round as pbr  # noqa: E402
-from common import add_target_args, batch_levels, load_target, print_header  # noqa: E402
+from common import (  # noqa: E402
+    add_device_args,
+    add_target_args,
+    batch_levels,
+    load_target,
+    print_header,
+    set_device,
+)
 
 SETTINGS = {"flush", "compact"}
 
@@ -41,8 +46,7 @@ def parse(text):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    add_device_args(ap, "cpu")
     ap.add_argument("--concurrency", default="4")
     ap.add_argument("--kinds", default="grounded,open")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -55,7 +59,7 @@ def main():
         variants = parse(args.variants)
     except ValueError as e:
         ap.error(f"--variants: {e}")
-    mx.set_default_device(getattr(mx, args.device))
+    set_device(args)
     print_header()
     model, tok = load_target(args, args.dtype)
     default_compact = pbr.ragged_mod.COMPACT_HOLES

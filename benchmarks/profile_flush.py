@@ -28,7 +28,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_target_args, load_target, print_header, target_name  # noqa: E402
+from common import (  # noqa: E402
+    add_device_args,
+    add_target_args,
+    load_target,
+    print_header,
+    set_device,
+    target_name,
+)
 
 from mlx_lm_ext import host  # noqa: E402
 
@@ -71,15 +78,14 @@ def sync_forward(model, cache, B, W, every, repeats=10):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    add_device_args(ap, "cpu")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--widths", default="1,8,16")
     ap.add_argument("--every", default="0,2,5,10", help="layers per flush (0: none)")
     add_target_args(ap)
     args = ap.parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    mx.set_default_device(getattr(mx, args.device))
+    set_device(args)
     print_header()
     model, _ = load_target(args, args.dtype)
     print(f"# {target_name(args, args.dtype)} on {args.device}: build / sync ms, median of 10")

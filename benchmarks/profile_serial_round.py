@@ -31,7 +31,14 @@ from collections import defaultdict
 import mlx.core as mx
 from bench_spec_decode import prompts as single_prompts
 from bench_suffix import agent_requests, chat, served
-from common import add_target_args, load_target, print_header, target_name
+from common import (
+    add_device_args,
+    add_target_args,
+    load_target,
+    print_header,
+    set_device,
+    target_name,
+)
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -200,13 +207,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--agent-max-tokens", type=int, default=64)
-    p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="default: MLX's")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add_device_args(p)
     p.add_argument("--warmup", type=int, default=1, help="untimed passes per workload first")
     add_target_args(p)
     args = p.parse_args()
-    if args.device:
-        mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    set_device(args)
     print_header()
     mlx_lm_ext.enable("spec-decode")
     model, tok = load_target(args, args.dtype)
