@@ -40,7 +40,7 @@ from common import (
     target_name,
 )
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from profile_batch_round import sync_forward
 
 import mlx_lm_ext
 import mlx_lm_spec_decode as sd
@@ -68,17 +68,21 @@ def instrument(acc):
 
         return wrap
 
-    def timed_gen(fn, name):
+    def timed_gen(fn, name, nest=0):
+        # Only the time inside the generator counts (not its consumer's);
+        # ``nest``: plain runs started meanwhile are inside this one.
         def wrap(*a, **kw):
             gen = fn(*a, **kw)
             while True:
                 t0 = time.perf_counter()
+                acc["depth"] += nest
                 try:
                     item = next(gen)
                 except StopIteration:
-                    acc[name] += time.perf_counter() - t0
                     return
-                acc[name] += time.perf_counter() - t0
+                finally:
+                    acc["depth"] -= nest
+                    acc[name] += time.perf_counter() - t0
                 yield item
 
         return wrap
@@ -102,21 +106,9 @@ def instrument(acc):
 
         return gen
 
-    def draft_round(self, *a, **kw):
-        gen = timed_gen(saved[4][2], "round")(self, *a, **kw)
-        while True:
-            acc["depth"] += 1
-            try:
-                item = next(gen)
-            except StopIteration:
-                return
-            finally:
-                acc["depth"] -= 1
-            yield item
-
     V._draft, V.forward = timed(saved[0][2], "draft"), forward
     V._emit, V.plain = timed_gen(saved[2][2], "emit"), plain
-    V.draft_round = draft_round
+    V.draft_round = timed_gen(saved[4][2], "round", nest=1)
     sampling.accept = timed(saved[5][2], "wait+accept")
     ragged.keep = timed(saved[6][2], "rollback")
     sampling.window_logprobs = timed(saved[7][2], "wait+accept")
@@ -129,29 +121,13 @@ def instrument(acc):
 
 
 def generate(model, tok, prompt, max_tokens, drafter=None):
-    """(tokens, seconds inside the generator loop, wall seconds, stats)."""
+    """(tokens after the first, seconds from the first token on, stats or None)."""
     t0, n = time.perf_counter(), 0
     for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, draft_model=drafter):
         if n == 0:
             t0 = time.perf_counter()  # decoding from the first token on
         n = r.generation_tokens
     return n - 1, time.perf_counter() - t0, sd.last_stats() if drafter else None
-
-
-def sync_forward(model, widths, reps=9, prefix=256):
-    """Median ms of one synchronous forward over each width."""
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.arange(prefix)[None] % 1000, cache=cache))
-    out = {}
-    for w in widths:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            mx.argmax(model(mx.arange(w)[None] + 100, cache=cache), axis=-1).tolist()
-            times.append(time.perf_counter() - t0)
-            trim_prompt_cache(cache, w)
-        out[w] = 1e3 * statistics.median(times[2:])
-    return out
 
 
 def profile(model, tok, name, requests, max_tokens, make, warmup=1):
@@ -238,7 +214,8 @@ def main():
             )
     results = [profile(model, tok, *r, warmup=args.warmup) for r in runs]
     widths = sorted({w for r in results for w in r["acc"]["widths"]})
-    sync = sync_forward(model, widths)
+    prefix = list(range(100, 356))  # 256 tokens of cache before each forward
+    sync = {w: 1e3 * sync_forward(model, prefix, 1, w, 7) for w in widths}
     print(
         "| workload | stock ms/token | ours ms/token | rounds | "
         + " | ".join(f"{p} ms" for p in PHASES)
