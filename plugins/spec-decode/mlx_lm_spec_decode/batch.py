@@ -473,8 +473,9 @@ class SpecGenerationBatch(GenerationBatch):
                 if not tree_mod.is_chain(tpar):
                     d, par = nodes, tpar
             sizes.append(1 + len(d))
-            windows.append([pending[i]] + d + [0] * (W - 1 - len(d)))
-            parents.append(par + list(range(len(par) - 1, W - 1)))  # padding: a chain
+            window, par = tree_mod.pad([pending[i]] + d, par, W)
+            windows.append(window)
+            parents.append(par)
         return windows, parents, sizes
 
     def _check(

@@ -151,6 +151,13 @@ def tree_pays(
     return rate(tree, extra) > rate(chain, 0.0)
 
 
+def pad(tokens: list[int], parents: list[int], width: int) -> tuple[list[int], list[int]]:
+    """``tokens``/``parents`` padded to ``width`` nodes: a chain of zeros hanging
+    off the last node, after every real node, so that none attends to it."""
+    n = len(tokens)
+    return tokens + [0] * (width - n), parents + list(range(n - 1, width - 1))
+
+
 def subtree(tokens: list[int], parents: list[int], keep: list[int]) -> tuple[list[int], list[int]]:
     """The kept nodes renumbered (``keep`` sorted, closed under parents)."""
     where = {old: new for new, old in enumerate(keep)}

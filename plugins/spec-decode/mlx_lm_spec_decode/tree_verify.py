@@ -110,11 +110,10 @@ class TreeRounds:
         tokens, parents = self.pending
         self.pending = None
         loop.st.tree_rounds += 1
-        # Padded up to the loop's widths as a chain hanging off the last
-        # node (after every node: no real node attends to it), as a chain is.
+        # Padded up to the loop's widths, as a chain is.
         n = len(tokens)
         fed = target_mod.padded_width(n, loop.widths)
-        pad_t, pad_p = tokens + [0] * (fed - n), parents + list(range(n - 1, fed - 1))
+        pad_t, pad_p = tree_mod.pad(tokens, parents, fed)
         logits = tree_mod.forward(loop.model, loop.target_cache, pad_t, pad_p, loop.attention)
         logits = logits[:n] if fed > n else logits
         # The loop's context ends with its pending token, the tree's root.
