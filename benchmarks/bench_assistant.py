@@ -94,7 +94,10 @@ def run(model, tok, prompt, max_tokens, draft=None, k=3):
     return text, last.generation_tps, stats
 
 
-def measure(model, tok, prompt, max_tokens, make, k, repeats):
+def measure(model, tok, prompt, max_tokens, make, k, repeats, warmup=0):
+    """``(text, median tok/s, stats)`` of ``repeats`` runs after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        run(model, tok, prompt, max_tokens, make() if make else None, k)
     runs = [
         run(model, tok, prompt, max_tokens, make() if make else None, k) for _ in range(repeats)
     ]
@@ -249,6 +252,13 @@ def main():
         default=1,
         help="Timed runs per method and prompt (median). Default: 1.",
     )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="Untimed runs per method and prompt first (a GPU builds kernels and graphs "
+        "for each new shape on first use). Default: 0.",
+    )
     p.add_argument("--only", nargs="*", help="Substrings of prompt names or categories to run.")
     p.add_argument(
         "--methods",
@@ -288,13 +298,17 @@ def main():
     if "assistant" in methods:
         made = load_assistant(args, args.drafter_path, target)
         drafters["assistant"] = lambda: made
+    if "assistant-chain" in methods:  # the same drafter, chains only (--draft-tree off)
+        chains = load_assistant(args, args.drafter_path, target, tree=False)
+        drafters["assistant-chain"] = lambda: chains
     cfg = assistant.read_config(args.drafter_path)
     state = Path(args.drafter_path, "checkpoint", "state.json")
     trained = json.loads(state.read_text())["step"] if state.is_file() else "?"
     print(
         f"# {Path(str(target_path)).name} ({args.dtype or 'as loaded'}) on {mx.default_device()}, "
         f"{platform.machine()}; {args.max_tokens} tokens, greedy, k={args.num_draft_tokens}, "
-        f"median of {args.repeats}; assistant: {cfg.num_layers} layer(s), donors {cfg.donors}, "
+        f"median of {args.repeats} after {args.warmup} warm-up; assistant: {cfg.num_layers} "
+        f"layer(s), donors {cfg.donors}, "
         f"{trained} training steps\n",
         flush=True,
     )
@@ -317,7 +331,14 @@ def main():
             [{"role": "user", "content": text}], add_generation_prompt=True
         )
         base_text, base_tps, _ = measure(
-            target, tok, prompt, args.max_tokens, None, args.num_draft_tokens, args.repeats
+            target,
+            tok,
+            prompt,
+            args.max_tokens,
+            None,
+            args.num_draft_tokens,
+            args.repeats,
+            args.warmup,
         )
         rows.append(
             dict(
@@ -333,7 +354,14 @@ def main():
         )
         for m, make in drafters.items():
             text_m, tps, st = measure(
-                target, tok, prompt, args.max_tokens, make, args.num_draft_tokens, args.repeats
+                target,
+                tok,
+                prompt,
+                args.max_tokens,
+                make,
+                args.num_draft_tokens,
+                args.repeats,
+                args.warmup,
             )
             row = dict(
                 category=cat,

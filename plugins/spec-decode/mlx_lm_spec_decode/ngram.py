@@ -10,6 +10,7 @@ n-gram length, and an undo log makes ``trim`` exact.
 
 from typing import Any
 
+from . import policy
 from .drafter import DraftContext, Drafter, TokenHistory
 
 
@@ -122,9 +123,6 @@ class NGramDrafter(Drafter):
     DECAY = 0.8
     MIN_TRIES = 3.0  # decayed tries before a length may be silenced
     MIN_HIT = 0.34
-    # Plain steps a verify column may cost for a short match still to
-    # propose its whole continuation (a memory-bound GPU's columns are free).
-    FREE_COLUMN = 0.03
 
     def __init__(
         self,
@@ -175,8 +173,7 @@ class NGramDrafter(Drafter):
         weak guess, so about as many as matched, unless the verify's columns
         cost nothing (``ctx.verify_cost``), where a longer guess only adds
         chances; a full-length match gets the whole draft length."""
-        cost = ctx.verify_cost
-        if length >= self.n_max or (cost is not None and cost[1] <= self.FREE_COLUMN):
+        if length >= self.n_max or policy.free_columns(ctx.verify_cost):
             return n
         return min(n, length)
 

@@ -96,7 +96,7 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         "--draft-tree",
         choices=("auto", "off"),
         default="auto",
-        help="Token trees (ngram, suffix): verify several drafted continuations in one "
+        help="Token trees (ngram, suffix, assistant): verify several drafted continuations in one "
         "forward where the measured cost of a wider forward pays for them ('auto'), or "
         "only ever one chain ('off'). Default: auto.",
     )
@@ -235,10 +235,10 @@ def make_drafter(
         "draft-model" if draft_model is not None else "ngram"
     )
     opts = _options(args, which)
+    tree = getattr(args, "draft_tree", "auto") != "off"
     if which == "assistant":
-        return _assistant(model, args, opts)
+        return _assistant(model, args, dict(opts, tree=tree))
     if which == "suffix":
-        tree = getattr(args, "draft_tree", "auto") != "off"
         return SuffixDrafter(
             _corpus_tokens(args),
             tokenizer=tokenizer,
@@ -249,7 +249,6 @@ def make_drafter(
     if which == "ngram":
         if draft_model is not None:
             log.warning("spec-decode: --drafter ngram ignores the --draft-model")
-        tree = getattr(args, "draft_tree", "auto") != "off"
         return NGramDrafter(n_max=args.ngram_max, n_min=args.ngram_min, tree=tree, **opts)
     if draft_model is None:
         if command == "python":

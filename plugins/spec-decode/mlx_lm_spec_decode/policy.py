@@ -17,6 +17,16 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 Cost = Tuple[float, float, float]  # (p, extra, b)
 
+# Plain steps a verify column may cost and still count as free: a
+# memory-bound device's, where a wider window costs what a narrow one does.
+FREE_COLUMN = 0.03
+
+
+def free_columns(cost: Optional[Tuple[float, float]]) -> bool:
+    """Whether a measured verify cost ``(a, b)`` (``Controller.verify_cost``)
+    prices each column at next to nothing."""
+    return cost is not None and cost[1] <= FREE_COLUMN
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a round yields for a row with ``k`` drafts, each right with

@@ -143,10 +143,17 @@ def explicit_attention(
 
 
 def padded_attention(
-    queries: mx.array, cache: Any, scale: float, masks: Dict[tuple, mx.array]
+    queries: mx.array,
+    cache: Any,
+    scale: float,
+    masks: Dict[tuple, Any],
+    window: Optional[mx.array] = None,
 ) -> Optional[mx.array]:
     """The fused op over ``cache``'s whole buffer (``KVCache`` only), rows
-    past the window's causal limit masked; ``None`` where it does not apply."""
+    past the window's causal limit masked; ``None`` where it does not apply.
+    ``window`` (``[n, n]`` booleans, a token tree's ancestors) replaces the
+    causal rule inside the window: the same shapes, so the same graphs, as
+    a chain of its width."""
     full_k, full_v = getattr(cache, "keys", None), getattr(cache, "values", None)
     if type(cache) is not KVCache or full_k is None or full_v is None:
         return None
@@ -157,12 +164,20 @@ def padded_attention(
     # length then meets at most three graphs per buffer size, not fifteen.
     # Padding rows are zeros whose outputs are dropped.
     rows = max(4, 1 << (n - 1).bit_length())
-    key = (n, s, t, queries.dtype)
-    bias = masks.get(key)
+    key = (n, s, t, queries.dtype, None if window is None else id(window))
+    bias = masks.get(key, (None, None))[1]
     if bias is None:
-        keep = mx.arange(t)[None] <= (s - n + mx.arange(rows))[:, None]
+        if window is None:
+            keep = mx.arange(t)[None] <= (s - n + mx.arange(rows))[:, None]
+        else:
+            inside = mx.concatenate([window, mx.ones((rows - n, n), mx.bool_)])
+            keep = mx.concatenate(
+                [mx.ones((rows, s - n), mx.bool_), inside, mx.zeros((rows, t - s), mx.bool_)],
+                axis=1,
+            )
         low = mx.array(mx.finfo(queries.dtype).min, queries.dtype)
-        bias = masks[key] = mx.where(keep, mx.array(0, queries.dtype), low)[None, None]
+        bias = mx.where(keep, mx.array(0, queries.dtype), low)[None, None]
+        masks[key] = (window, bias)  # the window held with its bias: its id stays its own
     q = queries
     if rows > n:
         b, h, _, d = queries.shape

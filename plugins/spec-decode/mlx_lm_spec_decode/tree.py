@@ -183,12 +183,10 @@ def _owner(cls: type, name: str) -> type:
 def drafts_trees(drafter: Any) -> bool:
     """Whether ``drafter`` proposes trees: the option is on, it has
     ``draft_tree`` (not only inherited past a subclass that changed
-    ``draft()`` alone: that subclass's chains), and it reads no hidden states."""
+    ``draft()`` alone: that subclass's chains)."""
     if not getattr(drafter, "tree", False) or not callable(getattr(drafter, "draft_tree", None)):
         return False
-    if not issubclass(_owner(type(drafter), "draft_tree"), _owner(type(drafter), "draft")):
-        return False
-    return not getattr(drafter, "needs_hidden", False)
+    return issubclass(_owner(type(drafter), "draft_tree"), _owner(type(drafter), "draft"))
 
 
 # ------------------------------------------------------- the tree forward
@@ -223,6 +221,7 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
         return rotate
 
     combined: dict = {}  # one mask per forward and cache length, shared by its layers
+    padded: dict = {}  # the same for ``target.padded_attention``
 
     def sdpa(orig):
         def tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
@@ -234,6 +233,17 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
             ):
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
             s = keys.shape[2]
+            if (
+                policy == "padded"
+                and B == 1
+                and not isinstance(mask, mx.array)
+                and s == getattr(cache, "offset", None)
+            ):
+                # One request on a GPU: the fused op over the cache's buffer,
+                # the graphs of a chain of this width.
+                out = target_mod.padded_attention(queries, cache, scale, padded, anc[0, 0])
+                if out is not None:
+                    return out
             key = (id(mask) if isinstance(mask, mx.array) else None, s)
             if key not in combined:
                 full = mx.concatenate([mx.ones((B, 1, W, s - W), mx.bool_), anc], axis=-1)
@@ -243,7 +253,7 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
             both = combined[key][1]
             if policy == "fused":
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=both)
-            # CUDA half precision: matmuls, not a cuDNN graph per cache length.
+            # CUDA half precision, a batch: matmuls, not a cuDNN graph per cache length.
             return target_mod.explicit_attention(queries, keys, values, scale, both)
 
         return tree_sdpa
@@ -254,16 +264,36 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
 
 
 def batch_forward(
-    model: Any, caches: list[Any], windows: list[list[int]], parents: list[list[int]], policy: str
-) -> mx.array:
-    """Logits ``[B, W, V]`` of one tree forward per row (the caches grow by W)."""
+    model: Any,
+    caches: list[Any],
+    windows: list[list[int]],
+    parents: list[list[int]],
+    policy: str,
+    split: Optional[tuple] = None,
+) -> Any:
+    """Logits ``[B, W, V]`` of one tree forward per row (the caches grow by
+    W); with ``split`` (``target.split``), ``(logits, final hidden states
+    [B, W, D])``, for a drafter that reads them."""
+    x = mx.array(windows, mx.uint32)
     with attention(model, parents, policy), target_mod.staged(model, len(windows[0])):
-        return model(mx.array(windows, mx.uint32), cache=caches)
+        if split is None:
+            return model(x, cache=caches)
+        h = split[0](x, caches)
+    return split[1](h), h
 
 
-def forward(model: Any, cache: list[Any], tokens: list[int], parents: list[int], policy: str):
-    """Logits ``[n, V]`` of one request's tree forward (the caches grow by ``n``)."""
-    return batch_forward(model, cache, [tokens], [parents], policy)[0]
+def forward(
+    model: Any,
+    cache: list[Any],
+    tokens: list[int],
+    parents: list[int],
+    policy: str,
+    split: Optional[tuple] = None,
+) -> Any:
+    """Logits ``[n, V]`` of one request's tree forward (the caches grow by
+    ``n``); with ``split``, ``(logits, hidden states [n, D])``."""
+    out = batch_forward(model, cache, [tokens], [parents], policy, split)
+    return out[0] if split is None else (out[0][0], out[1][0])
 
 
 # ------------------------------------------------- does this model fit

@@ -24,12 +24,13 @@ the target accepts, and the cache left holding exactly that path.
 """
 
 import logging
+import time
 from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from . import ragged, sampling
+from . import policy, ragged, sampling
 from . import target as target_mod
 from . import tree as tree_mod
 
@@ -76,17 +77,27 @@ class TreeRounds:
         """A chain to verify as usual (an array, maybe empty), or ``None``:
         a tree is pending for ``verify``."""
         loop = self.loop
-        loop.ctl.free_drafts()
-        loop.free = True  # lists of ids: asking costs no forward
+        drafter = loop.drafter
+        computes = getattr(drafter, "needs_hidden", False)
+        if not computes:
+            loop.ctl.free_drafts()
+            loop.free = True  # lists of ids: asking costs no forward
         cost = loop.ctl.verify_cost()
-        # Depth: the controller's γ until the verify cost is measured, then
-        # as deep as the cost rule and the request allow.
-        depth = k_req if cost is None or not loop.drafter.adaptive else max(k_req, limit)
+        # Budget: the controller's γ until the verify cost is measured, then
+        # as many nodes as the cost rule and the request allow; for a drafter
+        # that pays a step per level (the assistant), only where the verify's
+        # columns are free, so that it does not grow nodes the rule will cut.
+        wide = cost is not None and drafter.adaptive
+        depth = max(k_req, limit) if wide and (not computes or policy.free_columns(cost)) else k_req
         depth = min(depth, limit, tree_mod.MAX_NODES - 1)
-        paths = loop.drafter.draft_tree(loop.ctx, depth)
+        t0 = time.perf_counter()
+        paths = drafter.draft_tree(loop.ctx, depth)
         if not paths:
             return mx.array([], mx.uint32), None
         tokens, parents, shares = tree_mod.trie(paths)
+        if computes and loop.ctl.time_draft() and len(tokens) > 1:
+            # A drafter on the device (the assistant) read its tree back: timed per node.
+            loop.ctl.drafted(len(tokens) - 1, time.perf_counter() - t0)
         rate = self.rate
         probs = [s * rate**d for s, d in zip(shares, tree_mod.depths(parents), strict=True)]
         width = k_req if cost is None else depth
@@ -114,7 +125,10 @@ class TreeRounds:
         n = len(tokens)
         fed = target_mod.padded_width(n, loop.widths)
         pad_t, pad_p = tree_mod.pad(tokens, parents, fed)
-        logits = tree_mod.forward(loop.model, loop.target_cache, pad_t, pad_p, loop.attention)
+        out = tree_mod.forward(
+            loop.model, loop.target_cache, pad_t, pad_p, loop.attention, loop.split
+        )
+        logits, hidden = out if loop.split is not None else (out, None)
         logits = logits[:n] if fed > n else logits
         # The loop's context ends with its pending token, the tree's root.
         before = loop.context[:-1] if loop.context is not None else None
@@ -122,6 +136,8 @@ class TreeRounds:
         path, tok = sampling.accept(sampling.Window(tokens, parents), lp, loop.rule)
         ragged.keep(loop.target_cache, fed, [path])
         a = len(path) - 1
+        if hidden is not None:  # the state that produced the target's token
+            loop.ctx.hidden = hidden[path[-1] : path[-1] + 1]
         out = [tokens[i] for i in path[1:]] + [int(tok)]
         self.update(len(tokens) - 1, a, bool(tree_mod.children(parents)[path[-1]]))
         return lp[mx.array(path, mx.int32)], out, a, len(tokens) - 1

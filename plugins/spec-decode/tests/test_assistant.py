@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm_spec_decode import DraftContext, last_stats, speculative_generate_step
 from mlx_lm_spec_decode import assistant as A
 from mlx_lm_spec_decode import target as target_mod
+from mlx_lm_spec_decode import tree as tree_mod
 from mlx_lm_spec_decode.assistant.recording import RecordingDrafter
 from mlx_lm_spec_decode.training.distill import Target, loss_fn
 
@@ -267,6 +268,68 @@ def test_trained_drafter_agrees_and_output_is_stock(llama, trained):
     # A different prompt: fewer acceptances, same output as stock.
     other = prompt_of(tok, "the quick brown fox jumps over the lazy dog")
     assert spec(model, d, other, 30) == stock(model, other, 30)
+
+
+class TreeChecked(A.AssistantDrafter):
+    """Before every token tree, check the drafter's inputs against a fresh
+    prefill of the history: the target cache holds exactly the history but
+    its pending token, and ``ctx.hidden`` is the state that predicted it
+    (after a tree round: the accepted path's last node's)."""
+
+    def __init__(self, base, split, history):
+        self.__dict__.update(base.__dict__)
+        self.split, self.history, self.checks = split, history, 0
+
+    def prefill(self, ctx, tokens):
+        super().prefill(ctx, tokens)
+        self.history[:] = list(tokens)
+
+    def accept(self, ctx, tokens, n_drafted):
+        super().accept(ctx, tokens, n_drafted)
+        self.history.extend(tokens)
+
+    def draft_tree(self, ctx, n):
+        if ctx.hidden is not None:
+            seq = self.history
+            assert ctx.target_cache[0].offset == len(seq) - 1
+            h = self.split[0](mx.array([seq[:-1]]), make_prompt_cache(self.model))
+            assert mx.allclose(ctx.hidden, h[0, -1:], atol=1e-4).item()
+            self.checks += 1
+        return super().draft_tree(ctx, n)
+
+
+def test_token_trees_are_stock_and_keep_the_drafters_inputs(llama, trained, monkeypatch):
+    """Where a wider verify costs almost nothing (a GPU), the assistant grows
+    token trees from its own top choices; the target verifies them in one
+    forward, the output is stock greedy, and every round starts from the
+    hidden state and cache of the accepted path."""
+    from mlx_lm_spec_decode.controller import Controller
+
+    monkeypatch.setattr(Controller, "verify_cost", lambda self: (0.95, 0.01))
+    monkeypatch.setattr(Controller, "tree_surcharge", lambda self: 0.0)
+    model, tok = llama
+    d, prompt, *_ = trained
+    history = []
+    checked = TreeChecked(d, target_mod.split(model), history)
+    checked.auto_off = False  # the tiny model's timings are not the point here
+    # The prompt it was trained on (drafts kept), then one it was not.
+    for text, n in ((None, 40), ("the quick brown fox jumps over the lazy dog", 30)):
+        p = prompt if text is None else prompt_of(tok, text)
+        assert spec(model, checked, p, n) == stock(model, p, n)
+        s = last_stats()
+        assert s.tree_rounds > 0 and (s.accepted > 5 or text), s
+    assert checked.checks > 10
+    # A short budget grows a chain; a wide one up to the budget's nodes,
+    # its leaves' shares summing to one.
+    ctx = DraftContext(model, make_prompt_cache(model), [])
+    ctx.hidden = target_mod.split(model)[0](prompt[None, :-1], ctx.target_cache)[0, -1:]
+    d.prefill(ctx, prompt.tolist())
+    ((chain, w),) = d.draft_tree(ctx, 3)
+    assert len(chain) == 3 and w == pytest.approx(1.0)
+    paths = d.draft_tree(ctx, 12)
+    tokens, parents, shares = tree_mod.trie(paths)
+    assert len(tokens) == 13 and max(tree_mod.depths(parents)) == 4
+    assert sum(w for _, w in paths) == pytest.approx(1.0)
 
 
 class Checked(A.AssistantDrafter):

@@ -26,6 +26,7 @@ from mlx_lm_spec_decode import (
     speculative_generate_step,
 )
 from mlx_lm_spec_decode import plugin as plugin_mod
+from mlx_lm_spec_decode import target as target_mod
 from mlx_lm_spec_decode import tree as tree_mod
 from mlx_lm_spec_decode.controller import Controller
 
@@ -99,9 +100,13 @@ def test_tree_surcharge_is_timed_apart_from_chains():
 # ------------------------------------------------------ the tree forward
 
 
-@pytest.mark.parametrize("policy", ["fused", "explicit"])
-def test_tree_forward_equals_chain_forwards_and_compacts_to_them(tiny_llama, policy):
+@pytest.mark.parametrize("policy", ["fused", "explicit", "padded"])
+def test_tree_forward_equals_chain_forwards_and_compacts_to_them(tiny_llama, policy, monkeypatch):
     model, _ = tiny_llama
+    padded, real = [], target_mod.padded_attention
+    monkeypatch.setattr(
+        target_mod, "padded_attention", lambda *a: padded.append(real(*a)) or padded[-1]
+    )
     prompt = [3, 14, 15, 92, 65]
     tokens, parents = [35, 89, 79, 32, 38, 46, 26], [-1, 0, 0, 2, 2, 3, 1]
     # Chain-shaped first: a tree forward of a chain is a chain forward.
@@ -114,6 +119,10 @@ def test_tree_forward_equals_chain_forwards_and_compacts_to_them(tiny_llama, pol
             seq = prompt + [toks[i] for i in path]
             ref = model(mx.array(seq)[None])[0, len(prompt) :]
             assert mx.allclose(logits[mx.array(path)], ref, atol=1e-4).item(), (pars, leaf)
+    # The padded policy ran the fused op over the buffer, once per layer and forward.
+    assert sum(o is not None for o in padded) == (
+        2 * len(model.layers) if policy == "padded" else 0
+    )
     # Keep the path to node 5 (not contiguous: nodes 0, 2, 3, 5).
     path = tree_mod.path_to(parents, 5)
     ragged.keep(cache, len(tokens), [path])  # one request: the plain-cache adapter

@@ -6,6 +6,7 @@ the loop hands it in ``ctx.hidden``. So its prompt caches are an empty list,
 and a restored prompt cache needs nothing of it.
 """
 
+import math
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -24,6 +25,7 @@ class AssistantDrafter(Drafter):
 
     name = "assistant"
     needs_hidden = True
+    TREE_WIDTH = 3  # nodes kept per level of a token tree
 
     def __init__(
         self,
@@ -35,6 +37,7 @@ class AssistantDrafter(Drafter):
         max_draft: int = 6,
         adaptive: bool = True,
         auto_off: bool = True,
+        tree: bool = True,
     ):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
@@ -58,7 +61,7 @@ class AssistantDrafter(Drafter):
         net.freeze()
         self.net = net
         self.max_draft = max_draft
-        self.adaptive, self.auto_off = adaptive, auto_off
+        self.adaptive, self.auto_off, self.tree = adaptive, auto_off, tree
         self.vocab = vocab_size(model)
 
     def __repr__(self) -> str:
@@ -108,6 +111,59 @@ class AssistantDrafter(Drafter):
         ctx.state["own"] = n
         return mx.concatenate(tokens), (mx.concatenate(probs) if probs else None)
 
+    def draft_tree(self, ctx: DraftContext, n: int) -> list[tuple[list[int], float]]:
+        """About ``n`` nodes of a token tree, as weighted paths (``tree.trie``).
+
+        Level by level from the pending token, as EAGLE-2 grows its trees:
+        each of the last level's nodes scores its children, and the
+        ``TREE_WIDTH`` children most likely under the drafter (the product of
+        its probabilities down the path) form the next level; the levels'
+        branches run as rows of one batch. Nothing is read back until the
+        tree is grown (one wait, not one per level). The paths are weighted
+        so that a node's share in the trie is its parent's share times its
+        part of the probability of the kept siblings: how the drafter ranks
+        the branches, which the loop scales by the request's measured
+        continuation rate, as it does counted n-gram matches (a small
+        drafter's raw probabilities are far from its acceptance). A short
+        budget grows a chain."""
+        last = ctx.state.get("last")
+        if n <= 0 or not last or ctx.hidden is None:
+            return []
+        width = self.TREE_WIDTH if n >= 2 * self.TREE_WIDTH else 1
+        depth = min(self.max_draft, n // width)
+        levels = self._grow(ctx, last, depth, width)
+        mx.eval(levels)
+        ctx.state["own"] = depth
+        return _ranked_paths([[a.tolist() for a in level] for level in levels])
+
+    def _grow(self, ctx, last, depth, width):
+        """``depth`` levels of ``(parent row, token, log-probability)`` arrays
+        of ``width`` nodes each (lazy)."""
+        caches = self.donors(ctx)
+        views = [donor_view(c) for c in caches]
+        pos = caches[-1].offset
+        own = [[] for _ in self.net.layers]
+        hidden = ctx.hidden.reshape(1, 1, -1)
+        tok = mx.array(last, mx.uint32)
+        score = mx.zeros((1,), mx.float32)
+        levels = []
+        for s in range(depth):
+            hidden = self.net.step(
+                hidden, self.embed(tok)[:, None], views, self.ropes, own, pos + s
+            )
+            logits = self.head(hidden)[:, -1, : self.vocab].astype(mx.float32)
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            top = mx.argpartition(-lp, width - 1, axis=-1)[:, :width]
+            cand = (score[:, None] + mx.take_along_axis(lp, top, axis=-1)).reshape(-1)
+            keep = mx.argpartition(-cand, width - 1)[:width]
+            rows = keep // width
+            tok, score = top.reshape(-1)[keep].astype(mx.uint32), cand[keep]
+            levels.append((rows, tok, score))
+            # Each kept node continues its parent's branch: its state and own K/V.
+            hidden = hidden[rows]
+            own = [[(k[rows], v[rows]) for k, v in layer] for layer in own]
+        return levels
+
     def accept(self, ctx: DraftContext, tokens: list[int], n_drafted: int) -> None:
         ctx.state["own"] = 0
         if tokens:
@@ -121,3 +177,26 @@ class AssistantDrafter(Drafter):
 
     def flush(self, ctx: DraftContext) -> None:
         ctx.state["own"] = 0
+
+
+def _ranked_paths(levels: list[list[list]]) -> list[tuple[list[int], float]]:
+    """The leaves' ``(path, weight)`` of ``_grow``'s levels (read back): a
+    node's share is its parent's times its probability over its kept
+    siblings' (the weights of the leaves under it sum to it)."""
+    paths, share, score, kids = [[]], [1.0], [0.0], [0]
+    prev = [0]
+    for rows, toks, scores in levels:
+        mass = {}
+        for r, lp in zip(rows, scores, strict=True):
+            mass[prev[r]] = mass.get(prev[r], 0.0) + math.exp(lp - score[prev[r]])
+        here = []
+        for r, t, lp in zip(rows, toks, scores, strict=True):
+            parent = prev[r]
+            paths.append(paths[parent] + [int(t)])
+            share.append(share[parent] * math.exp(lp - score[parent]) / mass[parent])
+            score.append(lp)
+            kids.append(0)
+            kids[parent] += 1
+            here.append(len(paths) - 1)
+        prev = here
+    return [(p, w) for p, w, k in zip(paths, share, kids, strict=True) if k == 0 and p]
