@@ -267,6 +267,11 @@ def main():
     )
     p.add_argument("--json", default=None, help="Write the rows and summary to this file.")
     p.add_argument(
+        "--show-stats",
+        action="store_true",
+        help="Print each timed request's spec-decode summary line (rounds, trees, switch-offs).",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="Also decode drafting every round and compare each draft with the training graph's.",
@@ -376,8 +381,12 @@ def main():
                 accepted=st.accepted,
                 forwards=st.forwards,
                 emitted=st.emitted,
+                tree_rounds=st.tree_rounds,
+                stats=st.line(),
             )
             rows.append(row)
+            if args.show_stats:
+                print(f"  {m}: {st.line()}", flush=True)
         print(table(rows[-1 - len(drafters) :]) + "\n", flush=True)
         if args.check and "assistant" in drafters:
             c = graph_check(

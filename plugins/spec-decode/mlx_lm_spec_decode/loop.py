@@ -316,11 +316,13 @@ class VerifyLoop:
         if getattr(self.drafter, "sizes_drafts", False):
             k_req = min(self.ctl.gmax, limit)
         self.ctx.verify_cost = self.ctl.verify_cost()
-        if self.trees is not None:  # a branching tree is verified there
+        if self.trees is not None and self.trees.grows(self.ctx.verify_cost):
+            # A branching tree is verified there.
             drafts, q = self.trees.draft(k_req, limit)
             if drafts is None:
                 self.misses = 0
-                yield from self._emit(*self.trees.verify(), t0, tree=True)
+                lp, out, a, k, trials = self.trees.verify()
+                yield from self._emit(lp, out, a, k, t0, trials)
                 return
         else:
             drafts, q = self._draft(k_req, t0)
@@ -339,10 +341,11 @@ class VerifyLoop:
         yield from self._emit(lp, d[:a] + [target_tok], a, k, t0)
 
     def _emit(
-        self, lp: mx.array, out: list[int], a: int, k: int, t0: float, tree: bool = False
+        self, lp: mx.array, out: list[int], a: int, k: int, t0: float, trials: Optional[int] = None
     ) -> Iterator[Step]:
         """A verified round: ``k`` drafted, ``a`` kept, ``out`` emitted
-        (``lp`` their logprobs rows); figures, controller, drafter, tokens."""
+        (``lp`` their logprobs rows; ``trials``: a token tree's, the drafts
+        its accepted path met); figures, controller, drafter, tokens."""
         dt = time.perf_counter() - t0
         target_tok = out[-1]
         st = self.st
@@ -351,7 +354,7 @@ class VerifyLoop:
         st.drafted += k
         st.accepted += a
         st.drafting_round(len(out), dt)
-        self.ctl.update(k, a, dt, tree)
+        self.ctl.update(k, a, dt, trials)
         st.gamma = self.ctl.gamma
         self.drafter.accept(self.ctx, out, a)
         self.told += len(out)

@@ -73,6 +73,14 @@ class TreeRounds:
     def rate(self) -> float:
         return self.acc / (self.acc + self.rej)
 
+    def grows(self, cost: Optional[tuple[float, float]]) -> bool:
+        """Whether this round drafts a tree. A free drafter (a lookup) always
+        offers one, which ``draft`` may cut to a chain; a drafter that pays a
+        step per level (the assistant) only where the verify's columns are
+        free (``policy.free_columns``): elsewhere the rule would cut its tree
+        to a chain, which its own ``draft`` builds without a read-back."""
+        return not getattr(self.loop.drafter, "needs_hidden", False) or policy.free_columns(cost)
+
     def draft(self, k_req: int, limit: int) -> tuple[Optional[mx.array], None]:
         """A chain to verify as usual (an array, maybe empty), or ``None``:
         a tree is pending for ``verify``."""
@@ -84,11 +92,8 @@ class TreeRounds:
             loop.free = True  # lists of ids: asking costs no forward
         cost = loop.ctl.verify_cost()
         # Budget: the controller's γ until the verify cost is measured, then
-        # as many nodes as the cost rule and the request allow; for a drafter
-        # that pays a step per level (the assistant), only where the verify's
-        # columns are free, so that it does not grow nodes the rule will cut.
-        wide = cost is not None and drafter.adaptive
-        depth = max(k_req, limit) if wide and (not computes or policy.free_columns(cost)) else k_req
+        # as many nodes as the cost rule and the request allow.
+        depth = k_req if cost is None or not drafter.adaptive else max(k_req, limit)
         depth = min(depth, limit, tree_mod.MAX_NODES - 1)
         t0 = time.perf_counter()
         paths = drafter.draft_tree(loop.ctx, depth)
@@ -114,9 +119,11 @@ class TreeRounds:
         self.pending = (tokens, parents)
         return None, None
 
-    def verify(self) -> tuple[mx.array, list[int], int, int]:
+    def verify(self) -> tuple[mx.array, list[int], int, int, int]:
         """The pending tree through one target forward: ``(logprobs rows of
-        the emitted tokens, emitted tokens, accepted, drafted nodes)``."""
+        the emitted tokens, emitted tokens, accepted, drafted nodes, drafts
+        the accepted path met)`` (the last: ``accepted``, plus one where the
+        path ends in a rejection)."""
         loop = self.loop
         tokens, parents = self.pending
         self.pending = None
@@ -139,8 +146,9 @@ class TreeRounds:
         if hidden is not None:  # the state that produced the target's token
             loop.ctx.hidden = hidden[path[-1] : path[-1] + 1]
         out = [tokens[i] for i in path[1:]] + [int(tok)]
-        self.update(len(tokens) - 1, a, bool(tree_mod.children(parents)[path[-1]]))
-        return lp[mx.array(path, mx.int32)], out, a, len(tokens) - 1
+        rejected = bool(tree_mod.children(parents)[path[-1]])
+        self.update(len(tokens) - 1, a, rejected)
+        return lp[mx.array(path, mx.int32)], out, a, len(tokens) - 1, a + rejected
 
     def update(self, k: int, a: int, rejected: Optional[bool] = None) -> None:
         """A round verified ``k`` drafted nodes and accepted ``a``."""

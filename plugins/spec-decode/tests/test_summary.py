@@ -74,10 +74,10 @@ def test_pipelined_plain_steps_reach_the_controller_at_their_real_cost(smollm2, 
     plain = []
     update = Controller.update
 
-    def spy(self, k, a, dt, tree=False):
+    def spy(self, k, a, dt, trials=None):
         if k == 0:
             plain.append(dt)
-        return update(self, k, a, dt, tree)
+        return update(self, k, a, dt, trials)
 
     monkeypatch.setattr(Controller, "update", spy)
 

@@ -92,7 +92,7 @@ def test_tree_surcharge_is_timed_apart_from_chains():
     for w in (4, 8):
         ctl.update(w - 1, 1, 1.0 + 0.05 * (w - 1))
     assert ctl.tree_surcharge() == 0.0  # no tree timed yet
-    ctl.update(5, 2, 2.5, tree=True)  # a six-wide tree at 2.5 steps
+    ctl.update(5, 2, 2.5, trials=3)  # a six-wide tree at 2.5 steps, two of three kept
     a, b = ctl.verify_cost()
     assert b == pytest.approx(0.05) and ctl.tree_surcharge() == pytest.approx(2.5 - a - 6 * b)
 

@@ -25,7 +25,7 @@ class AssistantDrafter(Drafter):
 
     name = "assistant"
     needs_hidden = True
-    TREE_WIDTH = 3  # nodes kept per level of a token tree
+    TREE_WIDTH = 4  # nodes kept per level of a token tree (about half its drafts hold)
 
     def __init__(
         self,
