@@ -213,9 +213,11 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
             ours = x.ndim == 4 and x.shape[0] == B and x.shape[2] == W
             if not ours or not isinstance(offset, mx.array) or offset.size != B:
                 return orig(x, offset=offset)
+            pos = (offset.reshape(B, 1) + depth).reshape(-1)
+            if B == 1:  # one request: the nodes into the batch axis as a view, no copy
+                return mx.swapaxes(orig(mx.swapaxes(x, 0, 2), offset=pos), 0, 2)
             H, D = x.shape[1], x.shape[3]
             flat = x.transpose(0, 2, 1, 3).reshape(B * W, H, 1, D)
-            pos = (offset.reshape(B, 1) + depth).reshape(-1)
             return orig(flat, offset=pos).reshape(B, W, H, D).transpose(0, 2, 1, 3)
 
         return rotate
