@@ -205,15 +205,22 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
     B, W = len(parents), len(parents[0])
     depth = mx.array([depths(p) for p in parents], mx.int32)
     anc = mx.stack([ancestors(p) for p in parents])[:, None]
+    window = anc[0, 0]  # one array for the forward: its id keys the padded bias
+    positions: dict = {}  # a request's node positions, per cache offset (the same in each layer)
 
     def rope(orig):
         def rotate(x, offset=0):
-            if isinstance(offset, int):
-                offset = mx.full((B,), offset, mx.int32)
             ours = x.ndim == 4 and x.shape[0] == B and x.shape[2] == W
-            if not ours or not isinstance(offset, mx.array) or offset.size != B:
+            if isinstance(offset, int) and ours:
+                if offset not in positions:
+                    positions[offset] = (mx.full((B,), offset, mx.int32)[:, None] + depth).reshape(
+                        -1
+                    )
+                pos = positions[offset]
+            elif not ours or not isinstance(offset, mx.array) or offset.size != B:
                 return orig(x, offset=offset)
-            pos = (offset.reshape(B, 1) + depth).reshape(-1)
+            else:
+                pos = (offset.reshape(B, 1) + depth).reshape(-1)
             if B == 1:  # one request: the nodes into the batch axis as a view, no copy
                 return mx.swapaxes(orig(mx.swapaxes(x, 0, 2), offset=pos), 0, 2)
             H, D = x.shape[1], x.shape[3]
@@ -243,7 +250,7 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
             ):
                 # One request on a GPU: the fused op over the cache's buffer,
                 # the graphs of a chain of this width.
-                out = target_mod.padded_attention(queries, cache, scale, padded, anc[0, 0])
+                out = target_mod.padded_attention(queries, cache, scale, padded, window)
                 if out is not None:
                     return out
             key = (id(mask) if isinstance(mask, mx.array) else None, s)
