@@ -11,13 +11,16 @@ GPU). Methods, each on the same prompts, greedy, one after the other:
 - ``stock``: mlx-lm's plain decoding (``stream_generate`` without a draft model);
 - ``ngram``: spec-decode's prompt lookup;
 - ``draft-model``: spec-decode with the native 4-bit copy of the model drafting;
-- ``assistant``: spec-decode with the trained assistant drafter (``--drafter-path``).
+- ``assistant``: spec-decode with the trained assistant drafter (``--drafter-path``);
+- ``assistant-tree`` (only when named in ``--methods``): the same drafter
+  growing token trees (``AssistantDrafter(tree=True)``).
 
 Prompts: input-grounded (edit a function from CPython's stdlib; answer with
 quotes from a given passage) and open-ended chat (held out: not the
 trainer's prompt templates). Tokens/s is generation only (mlx-lm's
 ``generation_tps``), the median of ``--repeats`` runs after a warm-up run
-of every method. ``same`` says whether the text equals stock greedy's;
+of every method on a short prompt and ``--warmup`` untimed runs of each
+prompt (on a GPU its first runs build kernels and graphs for its shapes). ``same`` says whether the text equals stock greedy's;
 ``accept`` is accepted/drafted, ``tok/fwd`` tokens per target forward.
 ``--json FILE`` also writes every row and the summary.
 
@@ -303,9 +306,9 @@ def main():
     if "assistant" in methods:
         made = load_assistant(args, args.drafter_path, target)
         drafters["assistant"] = lambda: made
-    if "assistant-chain" in methods:  # the same drafter, chains only (--draft-tree off)
-        chains = load_assistant(args, args.drafter_path, target, tree=False)
-        drafters["assistant-chain"] = lambda: chains
+    if "assistant-tree" in methods:  # the same drafter growing token trees
+        trees = load_assistant(args, args.drafter_path, target, tree=True)
+        drafters["assistant-tree"] = lambda: trees
     cfg = assistant.read_config(args.drafter_path)
     state = Path(args.drafter_path, "checkpoint", "state.json")
     trained = json.loads(state.read_text())["step"] if state.is_file() else "?"

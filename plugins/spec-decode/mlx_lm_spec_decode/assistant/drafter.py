@@ -37,7 +37,7 @@ class AssistantDrafter(Drafter):
         max_draft: int = 6,
         adaptive: bool = True,
         auto_off: bool = True,
-        tree: bool = True,
+        tree: bool = False,
     ):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
