@@ -71,27 +71,25 @@ def main():
     def untouched(*_a, **_k):
         yield
 
-    def tree_stock_rope(toks, parents):
-        real = host.override_rope
-        host.override_rope = untouched
-        try:
-            return tree(toks, parents)
-        finally:
-            host.override_rope = real
+    def without(override):
+        """``tree`` with the host's ``override`` (``override_rope`` or
+        ``override_attention``) doing nothing: the model's own there."""
 
-    def tree_stock_attention(toks, parents):
-        real = host.override_attention
-        host.override_attention = untouched
-        try:
-            return tree(toks, parents)
-        finally:
-            host.override_attention = real
+        def run(toks, parents):
+            real = getattr(host, override)
+            setattr(host, override, untouched)
+            try:
+                return tree(toks, parents)
+            finally:
+                setattr(host, override, real)
+
+        return run
 
     variants = [
         ("chain", chain),
         ("tree", tree),
-        ("tree, stock rope", tree_stock_rope),
-        ("tree, stock attention", tree_stock_attention),
+        ("tree, stock rope", without("override_rope")),
+        ("tree, stock attention", without("override_attention")),
     ]
     rows = []
     for w in [int(x) for x in args.widths.split(",")]:

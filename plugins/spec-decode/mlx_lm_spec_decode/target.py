@@ -146,14 +146,15 @@ def padded_attention(
     queries: mx.array,
     cache: Any,
     scale: float,
-    masks: Dict[tuple, Any],
+    masks: Dict[tuple, mx.array],
     window: Optional[mx.array] = None,
 ) -> Optional[mx.array]:
     """The fused op over ``cache``'s whole buffer (``KVCache`` only), rows
     past the window's causal limit masked; ``None`` where it does not apply.
     ``window`` (``[n, n]`` booleans, a token tree's ancestors) replaces the
     causal rule inside the window: the same shapes, so the same graphs, as
-    a chain of its width."""
+    a chain of its width. ``masks`` keeps the bias for the forward's other
+    layers: one dict per forward, which feeds one window."""
     full_k, full_v = getattr(cache, "keys", None), getattr(cache, "values", None)
     if type(cache) is not KVCache or full_k is None or full_v is None:
         return None
@@ -164,8 +165,8 @@ def padded_attention(
     # length then meets at most three graphs per buffer size, not fifteen.
     # Padding rows are zeros whose outputs are dropped.
     rows = max(4, 1 << (n - 1).bit_length())
-    key = (n, s, t, queries.dtype, None if window is None else id(window))
-    bias = masks.get(key, (None, None))[1]
+    key = (n, s, t, queries.dtype, window is None)
+    bias = masks.get(key)
     if bias is None:
         if window is None:
             keep = mx.arange(t)[None] <= (s - n + mx.arange(rows))[:, None]
@@ -176,8 +177,7 @@ def padded_attention(
                 axis=1,
             )
         low = mx.array(mx.finfo(queries.dtype).min, queries.dtype)
-        bias = mx.where(keep, mx.array(0, queries.dtype), low)[None, None]
-        masks[key] = (window, bias)  # the window held with its bias: its id stays its own
+        bias = masks[key] = mx.where(keep, mx.array(0, queries.dtype), low)[None, None]
     q = queries
     if rows > n:
         b, h, _, d = queries.shape

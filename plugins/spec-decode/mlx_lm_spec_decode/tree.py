@@ -205,22 +205,21 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
     B, W = len(parents), len(parents[0])
     depth = mx.array([depths(p) for p in parents], mx.int32)
     anc = mx.stack([ancestors(p) for p in parents])[:, None]
-    window = anc[0, 0]  # one array for the forward: its id keys the padded bias
+    window = anc[0, 0]  # a request's ancestors, for ``target.padded_attention``
     positions: dict = {}  # a request's node positions, per cache offset (the same in each layer)
 
     def rope(orig):
         def rotate(x, offset=0):
-            ours = x.ndim == 4 and x.shape[0] == B and x.shape[2] == W
-            if isinstance(offset, int) and ours:
-                if offset not in positions:
-                    positions[offset] = (mx.full((B,), offset, mx.int32)[:, None] + depth).reshape(
-                        -1
-                    )
-                pos = positions[offset]
-            elif not ours or not isinstance(offset, mx.array) or offset.size != B:
+            if not (x.ndim == 4 and x.shape[0] == B and x.shape[2] == W):
                 return orig(x, offset=offset)
-            else:
+            if isinstance(offset, int):
+                if offset not in positions:
+                    positions[offset] = (offset + depth).reshape(-1)
+                pos = positions[offset]
+            elif isinstance(offset, mx.array) and offset.size == B:
                 pos = (offset.reshape(B, 1) + depth).reshape(-1)
+            else:
+                return orig(x, offset=offset)
             if B == 1:  # one request: the nodes into the batch axis as a view, no copy
                 return mx.swapaxes(orig(mx.swapaxes(x, 0, 2), offset=pos), 0, 2)
             H, D = x.shape[1], x.shape[3]
@@ -230,7 +229,7 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
         return rotate
 
     combined: dict = {}  # one mask per forward and cache length, shared by its layers
-    padded: dict = {}  # the same for ``target.padded_attention``
+    padded: dict = {}  # the same for ``target.padded_attention`` (one window per forward)
 
     def sdpa(orig):
         def tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):

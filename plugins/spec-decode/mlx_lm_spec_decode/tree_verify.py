@@ -51,6 +51,8 @@ class TreeRounds:
         self.loop = loop
         self.acc, self.rej = 1.5, 1.0  # a prior of 0.6
         self.pending: Optional[tuple[list[int], list[int]]] = None
+        # A drafter that computes on the device (the assistant), not a lookup.
+        self.computes = getattr(loop.drafter, "needs_hidden", False)
 
     @classmethod
     def start(cls, loop: Any) -> Optional["TreeRounds"]:
@@ -79,15 +81,14 @@ class TreeRounds:
         step per level (the assistant) only where the verify's columns are
         free (``policy.free_columns``): elsewhere the rule would cut its tree
         to a chain, which its own ``draft`` builds without a read-back."""
-        return not getattr(self.loop.drafter, "needs_hidden", False) or policy.free_columns(cost)
+        return not self.computes or policy.free_columns(cost)
 
     def draft(self, k_req: int, limit: int) -> tuple[Optional[mx.array], None]:
         """A chain to verify as usual (an array, maybe empty), or ``None``:
         a tree is pending for ``verify``."""
         loop = self.loop
         drafter = loop.drafter
-        computes = getattr(drafter, "needs_hidden", False)
-        if not computes:
+        if not self.computes:
             loop.ctl.free_drafts()
             loop.free = True  # lists of ids: asking costs no forward
         cost = loop.ctl.verify_cost()
@@ -100,7 +101,7 @@ class TreeRounds:
         if not paths:
             return mx.array([], mx.uint32), None
         tokens, parents, shares = tree_mod.trie(paths)
-        if computes and loop.ctl.time_draft() and len(tokens) > 1:
+        if self.computes and loop.ctl.time_draft() and len(tokens) > 1:
             # A drafter on the device (the assistant) read its tree back: timed per node.
             loop.ctl.drafted(len(tokens) - 1, time.perf_counter() - t0)
         rate = self.rate

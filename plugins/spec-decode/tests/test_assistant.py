@@ -270,11 +270,10 @@ def test_trained_drafter_agrees_and_output_is_stock(llama, trained):
     assert spec(model, d, other, 30) == stock(model, other, 30)
 
 
-class TreeChecked(A.AssistantDrafter):
-    """Before every token tree, check the drafter's inputs against a fresh
-    prefill of the history: the target cache holds exactly the history but
-    its pending token, and ``ctx.hidden`` is the state that predicted it
-    (after a tree round: the accepted path's last node's)."""
+class Checked(A.AssistantDrafter):
+    """Before every draft, recompute the drafter's inputs from scratch (a
+    fresh prefill of the history) and check the drafts are identical: the
+    target cache, the hidden state and the drafter's own state agree."""
 
     def __init__(self, base, split, history):
         self.__dict__.update(base.__dict__)
@@ -287,14 +286,38 @@ class TreeChecked(A.AssistantDrafter):
     def accept(self, ctx, tokens, n_drafted):
         super().accept(ctx, tokens, n_drafted)
         self.history.extend(tokens)
+        assert ctx.state["own"] == 0  # the chain's own entries are gone
+
+    def fresh(self, ctx):
+        """A fresh prefill of the history but its pending token, checked
+        against the loop's: the target cache holds exactly that, and
+        ``ctx.hidden`` is the state that predicted the pending token."""
+        seq = self.history
+        assert ctx.target_cache[0].offset == len(seq) - 1
+        cache = make_prompt_cache(self.model)
+        h = self.split[0](mx.array([seq[:-1]]), cache)
+        assert mx.allclose(ctx.hidden, h[0, -1:], atol=1e-4).item()
+        self.checks += 1
+        return DraftContext(self.model, cache, [], hidden=h[0, -1:])
+
+    def draft(self, ctx, n):
+        got, _ = super().draft(ctx, n)
+        if ctx.hidden is None:
+            return got, None
+        ref_ctx = self.fresh(ctx)
+        A.AssistantDrafter.prefill(self, ref_ctx, self.history)
+        want, _ = A.AssistantDrafter.draft(self, ref_ctx, n)
+        assert got.tolist() == want.tolist()
+        return got, None
+
+
+class TreeChecked(Checked):
+    """``Checked``'s check before every token tree too (after a tree round,
+    the hidden state is the accepted path's last node's)."""
 
     def draft_tree(self, ctx, n):
         if ctx.hidden is not None:
-            seq = self.history
-            assert ctx.target_cache[0].offset == len(seq) - 1
-            h = self.split[0](mx.array([seq[:-1]]), make_prompt_cache(self.model))
-            assert mx.allclose(ctx.hidden, h[0, -1:], atol=1e-4).item()
-            self.checks += 1
+            self.fresh(ctx)
         return super().draft_tree(ctx, n)
 
 
@@ -331,41 +354,6 @@ def test_token_trees_are_stock_and_keep_the_drafters_inputs(llama, trained, monk
     tokens, parents, shares = tree_mod.trie(paths)
     assert len(tokens) == 13 and max(tree_mod.depths(parents)) == 12 // d.TREE_WIDTH
     assert sum(w for _, w in paths) == pytest.approx(1.0)
-
-
-class Checked(A.AssistantDrafter):
-    """Before every draft, recompute the drafter's inputs from scratch (a
-    fresh prefill of the history) and check the drafts are identical: the
-    target cache, the hidden state and the drafter's own state agree."""
-
-    def __init__(self, base, split, history):
-        self.__dict__.update(base.__dict__)
-        self.split, self.history, self.checks = split, history, 0
-
-    def prefill(self, ctx, tokens):
-        super().prefill(ctx, tokens)
-        self.history[:] = list(tokens)
-
-    def accept(self, ctx, tokens, n_drafted):
-        super().accept(ctx, tokens, n_drafted)
-        self.history.extend(tokens)
-        assert ctx.state["own"] == 0  # the chain's own entries are gone
-
-    def draft(self, ctx, n):
-        got, _ = super().draft(ctx, n)
-        if ctx.hidden is None:
-            return got, None
-        seq = self.history
-        assert ctx.target_cache[0].offset == len(seq) - 1
-        cache = make_prompt_cache(self.model)
-        h = self.split[0](mx.array([seq[:-1]]), cache)
-        ref_ctx = DraftContext(self.model, cache, [], hidden=h[0, -1:])
-        A.AssistantDrafter.prefill(self, ref_ctx, seq)
-        want, _ = A.AssistantDrafter.draft(self, ref_ctx, n)
-        assert got.tolist() == want.tolist()
-        assert mx.allclose(ctx.hidden, h[0, -1:], atol=1e-4).item()
-        self.checks += 1
-        return got, None
 
 
 def test_rollback_keeps_drafter_and_target_consistent(llama, trained):

@@ -82,16 +82,26 @@ class AssistantDrafter(Drafter):
         ctx.state["last"] = list(tokens[-1:])
         ctx.state["own"] = 0
 
+    def _start(self, ctx: DraftContext, last: list[int]) -> tuple:
+        """What a draft grows from: the donors' K/V (views), the pending
+        token's position, no own K/V yet per layer, the target's hidden
+        state and the pending token."""
+        caches = self.donors(ctx)
+        views = [donor_view(c) for c in caches]
+        own: list = [[] for _ in self.net.layers]
+        return (
+            views,
+            caches[-1].offset,
+            own,
+            ctx.hidden.reshape(1, 1, -1),
+            mx.array(last, mx.uint32),
+        )
+
     def draft(self, ctx: DraftContext, n: int) -> tuple[Any, Optional[mx.array]]:
         last = ctx.state.get("last")
         if n <= 0 or not last or ctx.hidden is None:
             return [], None
-        caches = self.donors(ctx)
-        views = [donor_view(c) for c in caches]
-        pos = caches[-1].offset
-        own = [[] for _ in self.net.layers]
-        hidden = ctx.hidden.reshape(1, 1, -1)
-        tok = mx.array(last, mx.uint32)
+        views, pos, own, hidden, tok = self._start(ctx, last)
         tokens, probs = [], []
         for s in range(n):
             hidden = self.net.step(hidden, self.embed(tok)[None], views, self.ropes, own, pos + s)
@@ -139,12 +149,7 @@ class AssistantDrafter(Drafter):
     def _grow(self, ctx, last, depth, width):
         """``depth`` levels of ``(parent row, token, log-probability)`` arrays
         of ``width`` nodes each (lazy)."""
-        caches = self.donors(ctx)
-        views = [donor_view(c) for c in caches]
-        pos = caches[-1].offset
-        own = [[] for _ in self.net.layers]
-        hidden = ctx.hidden.reshape(1, 1, -1)
-        tok = mx.array(last, mx.uint32)
+        views, pos, own, hidden, tok = self._start(ctx, last)
         score = mx.zeros((1,), mx.float32)
         levels = []
         for s in range(depth):
