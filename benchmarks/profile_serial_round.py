@@ -21,9 +21,14 @@ requests, ``stream_generate`` without a drafter) and a synchronous forward
 of the widths the rounds ran at (built, evaluated, read back: what a round
 cannot go below). Plain steps of our loop (the controller's probes, runs
 where nothing was drafted) are counted apart, with their ms per token.
+``--variants`` profiles ours again under other settings of the loop's
+environment (e.g. ``MLX_LM_SPEC_WIDTHS=16``: one padded width), each with
+its own warm-up and stock turn, one row per workload and variant.
 """
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -179,12 +184,37 @@ def report(r, sync):
     )
 
 
+@contextlib.contextmanager
+def settings(variant):
+    """The loop's environment set as ``variant`` says ('default': as it is)."""
+    pairs = [] if variant == "default" else [kv.split("=", 1) for kv in variant.split(",")]
+    if any(len(kv) != 2 for kv in pairs):
+        raise SystemExit(f"--variants: 'default' or NAME=VALUE[,NAME=VALUE], got {variant!r}")
+    saved = {k: os.environ.get(k) for k, _ in pairs}
+    os.environ.update(dict(pairs))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--agent-max-tokens", type=int, default=64)
     add_device_args(p)
     p.add_argument("--warmup", type=int, default=1, help="untimed passes per workload first")
+    p.add_argument(
+        "--variants",
+        nargs="*",
+        default=["default"],
+        help="settings to profile ours under, in turn: 'default', or NAME=VALUE[,NAME=VALUE] "
+        "of the loop's environment (MLX_LM_SPEC_WIDTHS, MLX_LM_SPEC_ATTENTION, MLX_LM_SPEC_FLUSH)",
+    )
     add_target_args(p)
     args = p.parse_args()
     set_device(args)
@@ -212,7 +242,11 @@ def main():
                     lambda: sd.NGramDrafter(tree=False),
                 )
             )
-    results = [profile(model, tok, *r, warmup=args.warmup) for r in runs]
+    results = []
+    for variant in args.variants:
+        with settings(variant):
+            for name, *rest in runs:
+                results.append(profile(model, tok, f"{name}, {variant}", *rest, warmup=args.warmup))
     widths = sorted({w for r in results for w in r["acc"]["widths"]})
     prefix = list(range(100, 356))  # 256 tokens of cache before each forward
     sync = {w: 1e3 * sync_forward(model, prefix, 1, w, 7) for w in widths}
