@@ -29,6 +29,7 @@ its own warm-up and stock turn, one row per workload and variant.
 import argparse
 import contextlib
 import os
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -187,7 +188,9 @@ def report(r, sync):
 @contextlib.contextmanager
 def settings(variant):
     """The loop's environment set as ``variant`` says ('default': as it is)."""
-    pairs = [] if variant == "default" else [kv.split("=", 1) for kv in variant.split(",")]
+    # A comma starts the next setting only before NAME= (widths hold commas).
+    parts = [] if variant == "default" else re.split(r",(?=[A-Z_]+=)", variant)
+    pairs = [kv.split("=", 1) for kv in parts]
     if any(len(kv) != 2 for kv in pairs):
         raise SystemExit(f"--variants: 'default' or NAME=VALUE[,NAME=VALUE], got {variant!r}")
     saved = {k: os.environ.get(k) for k, _ in pairs}
