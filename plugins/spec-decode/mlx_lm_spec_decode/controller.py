@@ -186,20 +186,25 @@ class Controller:
         gain = self.best_gain(self.BEST_ACCEPT)
         return gain is not None and gain < self.SLACK
 
-    def update(self, k: int, a: int, dt: float, trials: Optional[int] = None) -> None:
+    def update(
+        self, k: int, a: int, dt: float, trials: Optional[int] = None, timed: bool = True
+    ) -> None:
         """A round drafted ``k`` tokens (0: a plain step), kept ``a``, took
         ``dt`` seconds (``trials``: a branching token tree's, the drafts its
         accepted path met: ``a``, and one more where a draft was rejected;
-        the acceptance rate is per draft on a path, not per node)."""
+        the acceptance rate is per draft on a path, not per node; ``timed``:
+        False where its forward ran behind a plain step, so ``dt`` is what
+        it added to the run, not what a verify costs)."""
         if k == 0:
             self.plain.append(dt)
             return
         self.rounds += 1
         self.spec.append((dt, a + 1))
-        # A tree's forward is timed apart: its surcharge must not make chains look dear.
-        (self.verify if trials is None else self.tree_verify).append(
-            (self.width(k + 1), dt - k * (self.draft_step or 0.0))
-        )
+        if timed:
+            # A tree's forward is timed apart: its surcharge must not make chains look dear.
+            (self.verify if trials is None else self.tree_verify).append(
+                (self.width(k + 1), dt - k * (self.draft_step or 0.0))
+            )
         self.acceptance.observe(k if trials is None else trials, a)
         if self.adaptive:
             self.gamma = self._next_gamma(a == k)

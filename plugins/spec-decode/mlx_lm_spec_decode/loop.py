@@ -331,21 +331,35 @@ class VerifyLoop:
             yield from self._nothing_drafted(remaining, t0)
             return
         self.misses = 0
-        lp, hidden, a, target_tok, fed = self._verify(drafts, q, self._pad_room(room))
-        d = drafts.tolist()
+        checked = self._verify(drafts, q, self._pad_room(room))
+        yield from self._kept(checked, drafts.tolist(), t0)
+
+    def _kept(self, checked, d: list[int], t0: float, timed: bool = True) -> Iterator[Step]:
+        """A checked chain over drafts ``d`` (``_check``): the caches cut to
+        what was kept, the tokens emitted."""
+        lp, hidden, a, target_tok, fed = checked
         ragged.keep(self.target_cache, fed, [list(range(a + 1))])
         if self.trees is not None:
-            self.trees.update(k, a)
+            self.trees.update(len(d), a)
         if hidden is not None:
             self.ctx.hidden = hidden[a : a + 1]
-        yield from self._emit(lp, d[:a] + [target_tok], a, k, t0)
+        yield from self._emit(lp, d[:a] + [target_tok], a, len(d), t0, timed=timed)
 
     def _emit(
-        self, lp: mx.array, out: list[int], a: int, k: int, t0: float, trials: Optional[int] = None
+        self,
+        lp: mx.array,
+        out: list[int],
+        a: int,
+        k: int,
+        t0: float,
+        trials: Optional[int] = None,
+        timed: bool = True,
     ) -> Iterator[Step]:
         """A verified round: ``k`` drafted, ``a`` kept, ``out`` emitted
         (``lp`` their logprobs rows; ``trials``: a token tree's, the drafts
-        its accepted path met); figures, controller, drafter, tokens."""
+        its accepted path met; ``timed``: False where the forward ran behind
+        a plain step, its seconds not a verify's); figures, controller,
+        drafter, tokens."""
         dt = time.perf_counter() - t0
         target_tok = out[-1]
         st = self.st
@@ -354,7 +368,7 @@ class VerifyLoop:
         st.drafted += k
         st.accepted += a
         st.drafting_round(len(out), dt)
-        self.ctl.update(k, a, dt, trials)
+        self.ctl.update(k, a, dt, trials, timed)
         st.gamma = self.ctl.gamma
         self.drafter.accept(self.ctx, out, a)
         self.told += len(out)
@@ -411,6 +425,11 @@ class VerifyLoop:
         # proposes again; another doubles its runs (2, 4, 8 tokens). (A
         # drafter reading hidden states is asked every step.)
         self.misses = 0 if self.drafter.needs_hidden else self.misses + 1
+        if self.free and self.context is None:
+            # Pipelined from the first miss: the round that ends the run is
+            # queued behind its last step (``plain``'s ``early``).
+            yield from self.plain(remaining, t0, early=self._proposal)
+            return
         if self.free and self.misses > MISS_RUN:
             k = max(1, self.ctl.gamma)
             watch = lambda: len(self.drafter.draft(self.ctx, k)[0]) > 0  # noqa: E731
@@ -419,16 +438,34 @@ class VerifyLoop:
         run = 1 if self.misses <= MISS_RUN else 1 << min(self.misses - MISS_RUN, 3)
         yield from self.plain(min(run, remaining), t0)
 
+    def _proposal(self) -> list:
+        """A free drafter's proposal now, one token longer than a round's
+        drafts: its first guesses the token a queued step is computing."""
+        self.ctx.verify_cost = self.ctl.verify_cost()
+        k = self.ctl.gmax if getattr(self.drafter, "sizes_drafts", False) else self.ctl.gamma
+        return list(self.drafter.draft(self.ctx, max(1, k) + 1)[0])
+
     def _verify(self, drafts, q, room):
-        """One target forward over ``[y, drafts]``, padded up to one of
-        ``widths`` (within ``room``): the logprobs rows, the hidden states
-        (or None), the accepted count, the target's token and the width fed.
+        """One target forward over ``[y, drafts]`` (``_queue``) and its
+        acceptance (``_check``): the logprobs rows, the hidden states (or
+        None), the accepted count, the target's token and the width fed."""
+        return self._check(self._queue(self.y, drafts, q, room))
+
+    def _queue(self, first, drafts, q, room):
+        """The verify forward over ``[first, drafts]`` built, padded up to one
+        of ``widths`` (within ``room``); ``first``: the pending token, or a
+        plain step's lazy token (``_early``). Returns what ``_check`` reads.
 
         Padding comes after the window, so causal attention keeps the
         window's rows what they were; it costs nothing where a forward is
         memory-bound, and a request meets a few widths instead of one per
         draft length, each with kernels and graphs built on first use."""
-        win = sampling.chain(self.y, drafts, q)
+        if isinstance(first, mx.array):
+            win = sampling.Window(
+                mx.concatenate([first.astype(mx.uint32), drafts]), list(range(-1, drafts.size)), q
+            )
+        else:
+            win = sampling.chain(first, drafts, q)
         n = 1 + drafts.size
         fed = target_mod.padded_width(n, self.widths)
         fed = fed if fed <= room else n
@@ -440,6 +477,11 @@ class VerifyLoop:
         if fed > n:
             logits = logits[:n]
             hidden = hidden[:n] if hidden is not None else None
+        return win, logits, hidden, fed
+
+    def _check(self, queued):
+        """The accepted path of a queued verify (``_queue``): waits for it."""
+        win, logits, hidden, fed = queued
         lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), win.tokens)
         # The logprobs rows stay lazy: only a consumer that reads them pays.
         path, target_tok = sampling.accept(win, lp, self.rule)
@@ -459,7 +501,11 @@ class VerifyLoop:
     # ------------------------------------------------------ plain steps
 
     def plain(
-        self, n: int, t0: Optional[float] = None, watch: Optional[Callable[[], bool]] = None
+        self,
+        n: int,
+        t0: Optional[float] = None,
+        watch: Optional[Callable[[], bool]] = None,
+        early: Optional[Callable[[], list]] = None,
     ) -> Iterator[Step]:
         """Plain decoding of n tokens, pipelined as mlx-lm's generate_step.
 
@@ -467,7 +513,11 @@ class VerifyLoop:
         stays pending in ``y`` (as after a verify round). With ``t0``, each
         step is timed for the controller. ``watch`` is asked after each
         token; True ends the run one token later (that token's forward is
-        already queued).
+        already queued). ``early`` (a free drafter's proposal after the
+        last token read) does the same where it proposes, and where it
+        proposes two tokens or more queues a verify window behind that last
+        step (``_early``), checked once the step's token is read: no
+        read-back between the run and the round.
 
         As in mlx-lm, the next step's graph is built from the lazy token
         before this one is read, so Python's graph building overlaps the
@@ -476,6 +526,7 @@ class VerifyLoop:
         nxt = self.step(self.y)
         mx.async_eval(nxt[:2])
         lazy = self.context is None
+        queued = None
         i = -1
         while i + 1 < n:
             i += 1
@@ -505,7 +556,31 @@ class VerifyLoop:
             self.drafter.accept(self.ctx, [tok], 0)
             if watch is not None and i + 1 < n and watch():
                 n = i + 2
+            elif early is not None and lazy and i + 1 < n:
+                proposal = early()
+                # Past a rotating cache's window the run ends too: ``rounds`` falls back.
+                if proposal or window_room(self.target_cache) < 2:
+                    queued = self._early(nxt[0], proposal, n - i - 2)
+                    n = i + 2
             yield tok, lp, False
+        if queued is not None:
+            yield from self._kept(self._check(queued[0]), queued[1], time.perf_counter(), False)
+
+    def _early(self, first: mx.array, proposal: list, remaining: int) -> Optional[tuple]:
+        """A verify window queued behind the plain step whose token ``first``
+        is still on the device, where the drafter's ``proposal`` after the
+        token before it holds two tokens or more: its first is a guess at
+        ``first``, the rest the window's drafts, ``[first, proposal[1:]]``.
+        A wrong guess leaves drafts that the target rejects: the window
+        then yields one token, as the plain step it replaces would. Returns
+        the queued forward and its drafts, or None (nothing to verify, or
+        caches that cannot take the window: ``rounds`` decides then)."""
+        room = window_room(self.target_cache)
+        limit = self._draft_limit(remaining, room)
+        d = [int(t) for t in proposal[1 : 1 + max(0, limit)]]
+        if not d or room < 2:
+            return None
+        return self._queue(first, mx.array(d, mx.uint32), None, self._pad_room(room)), d
 
     def _timed_run(self, n: int, seconds: float, per_step: bool) -> None:
         """A run of ``n`` plain steps took ``seconds``: into the figures, and

@@ -373,6 +373,47 @@ def test_nothing_to_propose_decodes_in_pipelined_runs(tiny_llama, repetitive_pro
     assert Mute.rounds[0] <= from_pos + 2  # the first round's drafts were accepted
 
 
+class GuessFirst(NGramDrafter):
+    """An oracle in stretches: nothing to propose at three positions of
+    every six, elsewhere a wrong guess at the next token followed by the
+    true tokens after it."""
+
+    def __init__(self, ref, n_prompt, **kw):
+        super().__init__(**kw)
+        self.ref, self.n_prompt = ref, n_prompt
+
+    def draft(self, ctx, k):
+        pos = len(ctx.cache[0].tokens) - self.n_prompt
+        if pos % 6 < 3 or pos >= len(self.ref):
+            return [], None
+        return [self.ref[pos] + 1] + self.ref[pos + 1 : pos + k], None
+
+
+def test_a_run_ends_in_a_round_queued_behind_its_last_step(tiny_llama, repetitive_prompt):
+    """Where a plain run meets a proposal, the round is queued behind the
+    step still computing the next token: the drafts after the drafter's
+    guess at that token are verified from the token itself, so they hold
+    even where the guess is wrong (a round that fed the guess would keep
+    nothing); output as stock's, and the caches exact wherever the
+    consumer stops."""
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    n = 40
+    ref = stock(model, prompt, n)
+    assert spec(model, GuessFirst(ref, prompt.size, auto_off=False), prompt, n, k=4) == ref
+    assert last_stats().accepted > 0
+    for stop_after in range(1, 16):
+        drafter = GuessFirst(ref, prompt.size, auto_off=False)
+        cache = make_prompt_cache(model) + drafter.make_cache()
+        gen = speculative_generate_step(
+            prompt, model, drafter, num_draft_tokens=4, max_tokens=n, prompt_cache=cache
+        )
+        out = [next(gen)[0] for _ in range(stop_after)]
+        gen.close()
+        assert out == ref[:stop_after]
+        assert_exact(model, cache, prompt.tolist() + out)
+
+
 def test_drafting_resumes_when_guesses_start_to_hold(tiny_llama, repetitive_prompt, monkeypatch):
     """Switched off by wrong drafts, a free drafter keeps guessing while the
     back-off runs; once its guesses hold, drafting resumes before the
