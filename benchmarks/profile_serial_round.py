@@ -20,7 +20,10 @@ workload (stock and ours), next to stock's pipelined step (the same
 requests, ``stream_generate`` without a drafter) and a synchronous forward
 of the widths the rounds ran at (built, evaluated, read back: what a round
 cannot go below). Plain steps of our loop (the controller's probes, runs
-where nothing was drafted) are counted apart, with their ms per token.
+where nothing was drafted) are counted apart, with their ms per token,
+and so are the rounds queued behind a run's last step (checked inside the
+run, so their time there is theirs: draft, check, rollback, emit) and
+counted among the rounds; the phase columns are the other rounds'.
 ``--variants`` profiles ours again under other settings of the loop's
 environment (e.g. ``MLX_LM_SPEC_WIDTHS=16``: one padded width), each with
 its own warm-up and stock turn, one row per workload and variant.
@@ -60,49 +63,59 @@ def instrument(acc):
     """Wrap the loop's phases; ``acc[name]`` collects seconds, and
     ``acc["widths"]`` each verify's fed width. Returns an undo function."""
     V = loop_mod.VerifyLoop
-    saved = [(V, n, getattr(V, n)) for n in ("_draft", "forward", "_emit", "plain", "draft_round")]
+    saved = [
+        (V, n, getattr(V, n))
+        for n in ("_draft", "forward", "_emit", "plain", "draft_round", "_early")
+    ]
     saved += [(sampling, "accept", sampling.accept), (ragged, "keep", ragged.keep)]
     saved += [(sampling, "window_logprobs", sampling.window_logprobs)]
 
     def timed(fn, name):
         def wrap(*a, **kw):
+            key = name + (" early" if acc["in plain"] else "")
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                acc[name] += time.perf_counter() - t0
+                acc[key] += time.perf_counter() - t0
 
         return wrap
 
-    def timed_gen(fn, name, nest=0):
+    def timed_gen(fn, name, nest=None, early=True):
         # Only the time inside the generator counts (not its consumer's);
-        # ``nest``: plain runs started meanwhile are inside this one.
+        # ``nest``: the counter raised while it runs (plain runs started
+        # inside a round; rounds checked inside a plain run, ``early``).
         def wrap(*a, **kw):
             gen = fn(*a, **kw)
             while True:
+                key = name + (" early" if early and acc["in plain"] else "")
                 t0 = time.perf_counter()
-                acc["depth"] += nest
+                if nest:
+                    acc[nest] += 1
                 try:
                     item = next(gen)
                 except StopIteration:
                     return
                 finally:
-                    acc["depth"] -= nest
-                    acc[name] += time.perf_counter() - t0
+                    if nest:
+                        acc[nest] -= 1
+                    acc[key] += time.perf_counter() - t0
                 yield item
 
         return wrap
 
     def forward(self, tokens):
         if tokens.size > 1:
-            acc["widths"].append(tokens.size)
+            acc["early widths" if acc["in plain"] else "widths"].append(tokens.size)
         return timed(saved[1][2], "build" if tokens.size > 1 else "plain build")(self, tokens)
 
     def plain(self, n, *a, **kw):
         # A run inside a drafting round (a probe, nothing drafted) is also
-        # inside that round's time: kept apart to take it out again.
+        # inside that round's time: kept apart to take it out again. A
+        # round queued behind a run's last step is checked inside the run:
+        # its phases are counted apart ("early") and out of the run's time.
         name = "plain nested" if acc["depth"] else "plain"
-        return timed_gen(counted(saved[3][2]), name)(self, n, *a, **kw)
+        return timed_gen(counted(saved[3][2]), name, "in plain", early=False)(self, n, *a, **kw)
 
     def counted(fn):
         def gen(*a, **kw):
@@ -112,12 +125,18 @@ def instrument(acc):
 
         return gen
 
+    def early(self, *a, **kw):
+        queued = saved[5][2](self, *a, **kw)
+        acc["early rounds"] += queued is not None
+        return queued
+
     V._draft, V.forward = timed(saved[0][2], "draft"), forward
     V._emit, V.plain = timed_gen(saved[2][2], "emit"), plain
-    V.draft_round = timed_gen(saved[4][2], "round", nest=1)
-    sampling.accept = timed(saved[5][2], "wait+accept")
-    ragged.keep = timed(saved[6][2], "rollback")
-    sampling.window_logprobs = timed(saved[7][2], "wait+accept")
+    V.draft_round = timed_gen(saved[4][2], "round", "depth")
+    V._early = early
+    sampling.accept = timed(saved[6][2], "wait+accept")
+    ragged.keep = timed(saved[7][2], "rollback")
+    sampling.window_logprobs = timed(saved[8][2], "wait+accept")
 
     def undo():
         for obj, name, fn in saved:
@@ -149,7 +168,7 @@ def profile(model, tok, name, requests, max_tokens, make, warmup=1):
         n, s, _ = generate(model, tok, p, max_tokens)
         stock_tokens, stock_s = stock_tokens + n, stock_s + s
     acc = defaultdict(float)
-    acc["widths"] = []
+    acc["widths"], acc["early widths"] = [], []
     undo = instrument(acc)
     rounds = tokens = secs = forwards = emitted = 0
     drafter = make()
@@ -166,12 +185,15 @@ def profile(model, tok, name, requests, max_tokens, make, warmup=1):
 
 
 def report(r, sync):
-    acc, n = r["acc"], max(1, r["rounds"])
+    acc = r["acc"]
+    n_early = int(acc["early rounds"])
+    n = max(1, r["rounds"] - n_early)
     widths = acc["widths"]
     plain_n = acc["plain tokens"]
     phases = {p: 1e3 * acc[p] / n for p in PHASES}
+    early_s = sum(acc[f"{p} early"] for p in PHASES)
     inside_round = 1e3 * (acc["round"] - acc["plain nested"]) / n
-    plain_s = acc["plain"] + acc["plain nested"]
+    plain_s = acc["plain"] + acc["plain nested"] - early_s
     other = inside_round - sum(phases.values())
     w_mean = statistics.mean(widths) if widths else 0
     sync_ms = statistics.mean(sync[w] for w in widths) if widths else 0
@@ -181,7 +203,8 @@ def report(r, sync):
         f"| {r['rounds']} ({r['tpf']:.2f} tok/fwd) "
         f"| {cells} | {other:.2f} | {inside_round:.2f} | {w_mean:.1f} | {sync_ms:.2f} "
         f"| {inside_round / sync_ms if sync_ms else 0:.2f} "
-        f"| {int(plain_n)}, {1e3 * plain_s / max(1, plain_n):.2f} |"
+        f"| {int(plain_n)}, {1e3 * plain_s / max(1, plain_n):.2f} "
+        f"| {n_early}, {1e3 * early_s / max(1, n_early):.2f} |"
     )
 
 
@@ -250,15 +273,16 @@ def main():
         with settings(variant):
             for name, *rest in runs:
                 results.append(profile(model, tok, f"{name}, {variant}", *rest, warmup=args.warmup))
-    widths = sorted({w for r in results for w in r["acc"]["widths"]})
+    widths = sorted({w for r in results for w in r["acc"]["widths"] + r["acc"]["early widths"]})
     prefix = list(range(100, 356))  # 256 tokens of cache before each forward
     sync = {w: 1e3 * sync_forward(model, prefix, 1, w, 7) for w in widths}
     print(
         "| workload | stock ms/token | ours ms/token | rounds | "
         + " | ".join(f"{p} ms" for p in PHASES)
-        + " | other ms | round ms | mean width | sync forward ms | round / sync | plain steps, ms each |"
+        + " | other ms | round ms | mean width | sync forward ms | round / sync"
+        + " | plain steps, ms each | rounds behind a step, ms each |"
     )
-    print("|" + "---|" * (9 + len(PHASES)))
+    print("|" + "---|" * (10 + len(PHASES)))
     for r in results:
         print(report(r, sync), flush=True)
     print(

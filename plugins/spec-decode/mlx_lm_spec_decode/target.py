@@ -78,12 +78,17 @@ def window_widths() -> tuple:
 
 
 def padded_width(width: int, widths: tuple, rows: int = 1) -> int:
-    """``width`` rounded up to the next of ``widths`` (itself past the
-    largest), where the batch's ``rows`` padded windows hold at most
-    ``PAD_TOKENS`` tokens: beyond that a forward's cost grows with its
-    tokens, and padding would cost what it saves."""
-    w = next((w for w in widths if w >= width), width)
-    return w if rows * w <= PAD_TOKENS else width
+    """``width`` padded up to the widest of ``widths`` at which the batch's
+    ``rows`` windows hold at most ``PAD_TOKENS`` tokens (itself where none
+    of them is that wide and fits): beyond that a forward's cost grows with
+    its tokens, and padding would cost what it saves. The widest, not the
+    next: a batch size then meets one width, each new (width, cache size)
+    building its kernels and graphs on first use, and a round is a
+    synchronous forward's price only once they are built (one padded
+    width read faster than four on the H200:
+    benchmarks/results/spec-decode-serial-h200.md)."""
+    fits = [w for w in widths if width <= w and rows * w <= PAD_TOKENS]
+    return max(fits) if fits else width
 
 
 def flush_every() -> int:

@@ -602,7 +602,8 @@ def test_window_widths_follow_the_device_and_the_override(monkeypatch):
     assert target_mod.window_widths() == ()  # the CPU: windows keep their width
     monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", "8,4")
     assert target_mod.window_widths() == (4, 8)
-    assert target_mod.padded_width(3, (4, 8), rows=2) == 4
+    assert target_mod.padded_width(3, (4, 8), rows=2) == 8  # the widest that fits: one shape
+    assert target_mod.padded_width(3, (4, 8), rows=3) == 4
     assert target_mod.padded_width(5, (4, 8), rows=2) == 8
     assert target_mod.padded_width(5, (4, 8), rows=4) == 5  # 32 tokens: past the budget
     assert target_mod.padded_width(9, (4, 8), rows=1) == 9  # past the largest
