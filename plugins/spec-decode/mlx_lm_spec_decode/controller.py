@@ -127,25 +127,29 @@ class Controller:
         ``accept`` (``policy.best_length`` for one row); ``None`` until
         enough steps are timed."""
         cost = self._cost()
-        return (
-            None
-            if cost is None
-            else policy.best_length([accept], [self.gmax], cost, self.gmax, self.width)[1]
-        )
+        if cost is None:
+            return None
+        return policy.best_length(
+            [accept], [self.gmax], cost, self.gmax, self.width, draft=self._draft_cost()
+        )[1]
 
     def width(self, w: int) -> int:
         """The width a window of ``w`` tokens is fed at (``target.padded_width``)."""
         return target_mod.padded_width(w, self.widths)
 
     def _cost(self) -> Optional[policy.Cost]:
-        """The verify cost as ``policy`` prices it, in plain steps, a draft
-        token's own cost (a draft model's step) added to each column."""
+        """The verify cost as ``policy`` prices it, in plain steps."""
         cost = self.verify_cost()
         if cost is None:
             return None
         a, b = cost
-        d = (self.draft_step or 0.0) / min(self.plain)
-        return 1.0, a + b - 1.0, b + d
+        return 1.0, a + b - 1.0, b
+
+    def _draft_cost(self) -> float:
+        """A draft token's own cost (a draft model's step) in plain steps:
+        paid per draft, while a padded window's columns cost the same at
+        any draft length."""
+        return (self.draft_step or 0.0) / min(self.plain) if self.plain else 0.0
 
     def verify_cost(self) -> Optional[tuple[float, float]]:
         """``(a, b)``: a verify forward over w tokens costs about ``a + b * w``
@@ -167,7 +171,14 @@ class Controller:
         if cost is None:
             grow = 2 if not self.auto_off else 0
             return min(self.gamma + grow, self.gmax) if all_kept else max(1, self.gamma - 1)
-        g, _ = policy.best_length([self.acceptance.alpha], [self.gmax], cost, self.gmax, self.width)
+        g, _ = policy.best_length(
+            [self.acceptance.alpha],
+            [self.gmax],
+            cost,
+            self.gmax,
+            self.width,
+            draft=self._draft_cost(),
+        )
         return max(1, g)
 
     def tree_surcharge(self) -> float:

@@ -74,18 +74,20 @@ def best_length(
     gmax: int,
     width: Optional[Callable[[int], int]] = None,
     floor: float = 0.0,
+    draft: float = 0.0,
 ) -> Tuple[int, float]:
     """``(g, rate)``: the draft length in ``1..min(gmax, max(proposed))``
     whose rows' expected tokens (row i drafts ``min(g, proposed[i])``) per
-    second of its verify is highest, and that rate; ``(0, floor)`` when none
+    second of its round is highest, and that rate; ``(0, floor)`` when none
     beats ``floor``. ``width(w)``: the width a window of ``w`` tokens is
-    run at (padded: its columns all cost)."""
+    run at (padded: its columns all cost); ``draft``: what drafting one
+    token costs (a draft model's step), paid per draft, not per column."""
     p, extra, b = cost
     best, best_rate = 0, floor
     for g in range(1, min(gmax, max(proposed, default=0)) + 1):
         tokens = sum(expected_tokens(a, min(g, n)) for a, n in zip(alphas, proposed, strict=True))
         w = width(g + 1) if width else g + 1
-        rate = tokens / (p + extra + b * (w - 1))
+        rate = tokens / (p + extra + b * (w - 1) + draft * g)
         if rate > best_rate:
             best, best_rate = g, rate
     return best, best_rate

@@ -75,3 +75,24 @@ def test_padded_windows_at_one_width_price_their_excess_as_the_verify_not_its_co
         for _ in range(4):
             ctl.update(3, 2, 1.6)  # window 4: 0.6 steps more than a plain step
         assert (ctl.gamma > 3) == long_, (widths, ctl.gamma)
+
+
+def test_a_draft_models_steps_are_paid_per_draft_not_per_padded_column():
+    """A window padded to one width costs the same at any draft length, but
+    each token a draft model drafts costs its step: the length stops where
+    another draft costs more than it is expected to keep, and drafting
+    stays on (pricing the step per padded column, every round looked like
+    fifteen draft steps, and a draft model that paid was switched off)."""
+    flat = (1.0, 0.3, 0.0)
+    width16 = lambda w: 16  # noqa: E731
+    g, rate = policy.best_length([0.9], [15], flat, 15, width16, draft=0.3)
+    assert 2 <= g <= 8 and rate > 1.0
+    assert policy.best_length([0.9], [15], flat, 15, width16)[0] == 15
+    ctl = Controller(3, 15, widths=(16,))
+    ctl.update(0, 0, 1.0)
+    ctl.update(0, 0, 1.0)
+    ctl.drafted(1, 0.5)
+    ctl.drafted(1, 0.5)  # a draft step: half a plain step (a small model, host-bound)
+    for _ in range(6):
+        ctl.update(3, 2, 1.3 + 3 * 0.5)  # two of three kept; the verify 1.3 steps
+    assert ctl.off_for == 0 and 1 <= ctl.gamma < 15
