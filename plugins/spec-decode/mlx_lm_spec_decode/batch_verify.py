@@ -378,7 +378,7 @@ class BatchController:
             proposed,
             cost,
             self.gmax,
-            # A window is padded up to the next of ``widths``: its columns all cost.
+            # A window is padded (``target.padded_width``): its columns all cost.
             width=lambda w: target_mod.padded_width(w, self.widths, B),
             floor=plain_rate * self.SLACK,
         )

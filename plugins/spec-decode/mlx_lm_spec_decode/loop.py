@@ -48,7 +48,8 @@ Step = tuple[int, mx.array, bool]  # (token, logprobs [V], from_draft)
 
 
 # Drafting rounds in a row with nothing proposed before plain steps come in
-# pipelined runs: a copy's short gaps (a renamed word) stay single steps.
+# runs (a free drafter's from the first miss where steps are pipelined):
+# a copy's short gaps (a renamed word) stay single steps.
 MISS_RUN = 4
 
 
@@ -418,12 +419,13 @@ class VerifyLoop:
         return drafts, q
 
     def _nothing_drafted(self, remaining, t0):
-        # Nothing to propose: one plain step, and after a few in a row (open
-        # text, not the short gaps of a copy) pipelined runs, so open text
-        # costs what mlx-lm's loop costs. A free drafter (a lookup, no
-        # forward) is asked after each token of one run that lasts until it
-        # proposes again; another doubles its runs (2, 4, 8 tokens). (A
-        # drafter reading hidden states is asked every step.)
+        # Nothing to propose: pipelined plain steps, so open text costs what
+        # mlx-lm's loop costs. A free drafter (a lookup, no forward) is asked
+        # after each token of one run that lasts until it proposes again;
+        # with logits processors (steps read one by one) that run starts
+        # after a few single steps in a row (the short gaps of a copy stay
+        # single steps). Another drafter doubles its runs (2, 4, 8 tokens).
+        # (A drafter reading hidden states is asked every step.)
         self.misses = 0 if self.drafter.needs_hidden else self.misses + 1
         if self.free and self.context is None:
             # Pipelined from the first miss: the round that ends the run is

@@ -86,7 +86,7 @@ def padded_width(width: int, widths: tuple, rows: int = 1) -> int:
     building its kernels and graphs on first use, and a round is a
     synchronous forward's price only once they are built (one padded
     width read faster than four on the H200:
-    benchmarks/results/spec-decode-serial-h200.md)."""
+    benchmarks/results/spec-decode-pipelined-h200.md)."""
     fits = [w for w in widths if width <= w and rows * w <= PAD_TOKENS]
     return max(fits) if fits else width
 
