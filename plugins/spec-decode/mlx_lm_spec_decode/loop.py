@@ -36,7 +36,7 @@ from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from . import ragged, sampling, tree_verify
+from . import policy, ragged, sampling, tree_verify
 from . import stats as stats_mod
 from . import target as target_mod
 from .controller import Controller, resume_watch
@@ -422,14 +422,15 @@ class VerifyLoop:
         # Nothing to propose: pipelined plain steps, so open text costs what
         # mlx-lm's loop costs. A free drafter (a lookup, no forward) is asked
         # after each token of one run that lasts until it proposes again;
-        # with logits processors (steps read one by one) that run starts
-        # after a few single steps in a row (the short gaps of a copy stay
-        # single steps). Another drafter doubles its runs (2, 4, 8 tokens).
+        # with logits processors (steps read one by one), or where verify
+        # columns cost compute, that run starts after a few single steps
+        # in a row (the short gaps of a copy stay single steps). Another drafter doubles its runs (2, 4, 8 tokens).
         # (A drafter reading hidden states is asked every step.)
         self.misses = 0 if self.drafter.needs_hidden else self.misses + 1
-        if self.free and self.context is None:
+        if self.free and self.context is None and policy.free_columns(self.ctl.verify_cost()):
             # Pipelined from the first miss: the round that ends the run is
-            # queued behind its last step (``plain``'s ``early``).
+            # queued behind its last step (``plain``'s ``early``). Only where
+            # verify columns cost nothing: a wrong guess wastes the window's.
             yield from self.plain(remaining, t0, early=self._proposal)
             return
         if self.free and self.misses > MISS_RUN:

@@ -389,17 +389,25 @@ class GuessFirst(NGramDrafter):
         return [self.ref[pos] + 1] + self.ref[pos + 1 : pos + k], None
 
 
-def test_a_run_ends_in_a_round_queued_behind_its_last_step(tiny_llama, repetitive_prompt):
-    """Where a plain run meets a proposal, the round is queued behind the
-    step still computing the next token: the drafts after the drafter's
-    guess at that token are verified from the token itself, so they hold
-    even where the guess is wrong (a round that fed the guess would keep
-    nothing); output as stock's, and the caches exact wherever the
-    consumer stops."""
+def test_a_run_ends_in_a_round_queued_behind_its_last_step(
+    tiny_llama, repetitive_prompt, monkeypatch
+):
+    """Where verify columns cost nothing (a memory-bound GPU) and a plain
+    run meets a proposal, the round is queued behind the step still
+    computing the next token: the drafts after the drafter's guess at that
+    token are verified from the token itself, so they hold even where the
+    guess is wrong (a round that fed the guess keeps nothing, as where
+    columns cost compute); output as stock's, and the caches exact
+    wherever the consumer stops."""
+    from mlx_lm_spec_decode import policy
+
     model, tok = tiny_llama
     prompt = repetitive_prompt(tok)
     n = 40
     ref = stock(model, prompt, n)
+    assert spec(model, GuessFirst(ref, prompt.size, auto_off=False), prompt, n, k=4) == ref
+    assert last_stats().accepted == 0  # columns not known to be free: rounds feed the guess
+    monkeypatch.setattr(policy, "free_columns", lambda cost: True)
     assert spec(model, GuessFirst(ref, prompt.size, auto_off=False), prompt, n, k=4) == ref
     assert last_stats().accepted > 0
     for stop_after in range(1, 16):
