@@ -5,9 +5,11 @@
 
 Each variant (``;``-separated, ``key=value`` pairs joined by ``,``) sets,
 for our generator only: ``flush`` (``MLX_LM_SPEC_FLUSH``: a verify
-forward's layers per flush to the device, ``off``, or ``auto``) and
+forward's layers per flush to the device, ``off``, or ``auto``),
 ``compact`` (``ragged.COMPACT_HOLES``: squeeze a batch's cache once a row
-has this many holes). Then, for each prompt kind and concurrency, stock
+has this many holes), ``attention`` (``MLX_LM_SPEC_ATTENTION``: ``buffer``,
+``padded``, ``explicit``, ``fused`` or ``auto``) and ``pad``
+(``target.PAD_TOKENS``: the most tokens a batch's windows are padded up to). Then, for each prompt kind and concurrency, stock
 and ours decode in turn (``profile_batch_round.run``: the same tables).
 Variants run one after the other on one machine, so each has its own
 stock turns to compare with: the ratio, not the tokens/s, carries across.
@@ -29,7 +31,9 @@ from common import (  # noqa: E402
     set_device,
 )
 
-SETTINGS = {"flush", "compact"}
+from mlx_lm_spec_decode import target as target_mod  # noqa: E402
+
+SETTINGS = {"flush", "compact", "attention", "pad"}
 
 
 def parse(text):
@@ -40,6 +44,7 @@ def parse(text):
         if not opts or set(opts) - SETTINGS:
             raise ValueError(f"variant {variant!r}: give {' and/or '.join(sorted(SETTINGS))}")
         int(opts.get("compact", 0))
+        int(opts.get("pad", 0))
         out.append((variant, opts))
     return out
 
@@ -63,9 +68,12 @@ def main():
     print_header()
     model, tok = load_target(args, args.dtype)
     default_compact = pbr.ragged_mod.COMPACT_HOLES
+    default_pad = target_mod.PAD_TOKENS
     for name, opts in variants:
         os.environ["MLX_LM_SPEC_FLUSH"] = opts.get("flush", "auto")
+        os.environ["MLX_LM_SPEC_ATTENTION"] = opts.get("attention", "auto")
         pbr.ragged_mod.COMPACT_HOLES = int(opts.get("compact", default_compact))
+        target_mod.PAD_TOKENS = int(opts.get("pad", default_pad))
         print(f"\n# variant {name}", flush=True)
         for kind in kinds:
             for C in levels:

@@ -498,16 +498,16 @@ class SpecGenerationBatch(GenerationBatch):
         wins = [
             sampling.Window(w[:n], p[:n]) for w, p, n in zip(windows, parents, sizes, strict=True)
         ]
-        # On a CUDA GPU in half precision the window's attention runs as
-        # matmuls: the fused op there builds a cuDNN graph per cache length.
-        policy = target_mod.attention_policy()
-        policy = "explicit" if policy == "padded" else policy  # padded: plain caches only
+        # On a CUDA GPU the window's attention runs over the caches' whole
+        # buffers (``target.padded_attention``): the fused op there builds a
+        # cuDNN graph per cache length.
+        how = target_mod.attention_policy(batch=True)
         if any(branching):
             # Trees are built on known pending tokens: the windows are the inputs.
-            logits = tree_mod.batch_forward(self.model, self.prompt_cache, windows, parents, policy)
+            logits = tree_mod.batch_forward(self.model, self.prompt_cache, windows, parents, how)
         else:
             with (
-                target_mod.verify_attention(self.model, W, policy),
+                target_mod.verify_attention(self.model, W, how),
                 target_mod.staged(self.model, W),
             ):
                 logits = self.model(inputs, cache=self.prompt_cache)

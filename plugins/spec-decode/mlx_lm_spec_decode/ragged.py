@@ -102,17 +102,20 @@ class RaggedKVCache(BatchKVCache):
 
     def squeeze_plan(self) -> Optional[Tuple[mx.array, mx.array, int]]:
         """What ``compact`` does to every layer: ``(gather indices, left
-        padding, length)``, or ``None`` when there are no holes."""
+        padding, length)``, or ``None`` when there are no holes. The indices
+        span the whole buffer (slots past ``length`` take any entry: nothing
+        reads them), so the buffer keeps its size, and a verify forward's
+        attention over it (``target.padded_attention``) its shapes."""
         if self.holes is None or self.keys is None:
             return None
         holes = self._holes(self._idx)
         left = self.left_padding.tolist()
         rows = [np.flatnonzero(~holes[i, left[i] :]) + left[i] for i in range(len(left))]
         length = max(len(r) for r in rows)
-        idx = np.zeros((len(rows), length), np.int32)
+        idx = np.zeros((len(rows), self.keys.shape[2]), np.int32)
         for i, r in enumerate(rows):
             if len(r):
-                idx[i, length - len(r) :] = r
+                idx[i, length - len(r) : length] = r
         pad = mx.array([length - len(r) for r in rows])
         return mx.array(idx)[:, None, :, None], pad, length
 
@@ -120,8 +123,8 @@ class RaggedKVCache(BatchKVCache):
         """Apply a ``squeeze_plan`` (one gather of the kept entries, left-padded again)."""
         if plan is not None:
             take, self.left_padding, length = plan
-            self.keys = mx.take_along_axis(self.keys[..., : self._idx, :], take, axis=2)
-            self.values = mx.take_along_axis(self.values[..., : self._idx, :], take, axis=2)
+            self.keys = mx.take_along_axis(self.keys, take, axis=2)
+            self.values = mx.take_along_axis(self.values, take, axis=2)
             self._idx = length
         self.holes = None
 

@@ -6,7 +6,7 @@ import os
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_lm_ext import api as host
 from mlx_lm_ext.api import backbone
@@ -23,29 +23,34 @@ def split(model: Any) -> Optional[Tuple[Callable, Callable]]:
 # MLX's CUDA backend runs multi-token attention in half precision through
 # cuDNN, whose graphs are cached by exact shape: a verify window at a new
 # cache length builds a new graph (on an H200 a drafting round took several
-# times a plain step: benchmarks/results/spec-decode-h200.md). A window of a few
-# queries needs no fused kernel, so the loop's verify forwards run attention
-# as plain matmuls there ("explicit"), or ("padded") through the fused op
-# over the cache's whole preallocated buffer (a multiple of 256 rows) with
-# an additive mask, so that the shape, and the cuDNN graph, only change
-# every 256 tokens. MLX_LM_SPEC_ATTENTION=fused|explicit|padded|auto
-# overrides the choice (auto: padded on a CUDA GPU).
+# times a plain step: benchmarks/results/spec-decode-h200.md). So verify
+# forwards there run attention over the cache's whole preallocated buffer
+# with an additive mask (``padded_attention``), whose shapes change only when
+# the buffer grows: through the fused op ("padded", one request's default)
+# or as matmuls ("buffer", a batch's default: rows join and leave, and each
+# batch size would build its own cuDNN graphs). "explicit" is matmuls over
+# the filled entries alone (a new shape every round), "fused" mlx-lm's own.
+# MLX_LM_SPEC_ATTENTION=fused|explicit|padded|buffer|auto overrides both.
 EXPLICIT_MAX_QUERIES = 16
-POLICIES = ("auto", "fused", "explicit", "padded")
-AUTO_CUDA = "padded"
+POLICIES = ("auto", "fused", "explicit", "padded", "buffer")
+AUTO_CUDA = "padded"  # one request
+AUTO_CUDA_BATCH = "buffer"  # a batch
 GPU_WIDTHS = (4, 8, 12, 16)
 PAD_TOKENS = 16  # the most window tokens a batch is padded up to
 FLUSH_GPU = 5  # a verify forward's layers per flush on a GPU (host.flush_layers)
 
 
-def attention_policy() -> str:
+def attention_policy(batch: bool = False) -> str:
+    """How verify forwards run attention: ``MLX_LM_SPEC_ATTENTION``, else
+    (auto) on a CUDA GPU ``AUTO_CUDA`` for one request and ``AUTO_CUDA_BATCH``
+    for a ``batch``, elsewhere mlx-lm's fused op."""
     how = os.environ.get("MLX_LM_SPEC_ATTENTION", "auto").strip().lower() or "auto"
     if how not in POLICIES:
         raise ValueError(f"MLX_LM_SPEC_ATTENTION must be one of {', '.join(POLICIES)}, got {how!r}")
     if how == "auto":
         cuda = getattr(mx, "cuda", None)
         on_cuda = cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
-        return AUTO_CUDA if on_cuda else "fused"
+        return (AUTO_CUDA_BATCH if batch else AUTO_CUDA) if on_cuda else "fused"
     return how
 
 
@@ -147,55 +152,89 @@ def explicit_attention(
     return (w @ mx.expand_dims(values, 2)).reshape(b, hq, n, d)
 
 
+def filled(cache: Any) -> Optional[int]:
+    """How many of ``cache``'s buffer entries its attention reads (a plain
+    ``KVCache``'s offset, a batch cache's fill index), or ``None`` for caches
+    whose buffer is not read in order (rotating, quantized)."""
+    if type(cache) is KVCache:
+        return cache.offset
+    if isinstance(cache, BatchKVCache) and not hasattr(cache, "bits"):
+        return cache._idx
+    return None
+
+
+def _keep(mask: Any, n: int, s: int, t: int, rows: int) -> Optional[mx.array]:
+    """``[B|1, 1, rows, t]`` booleans over a cache buffer of ``t`` entries, the
+    first ``s`` filled, for ``n`` queries under ``mask`` (None or "causal": the
+    causal rule; a boolean ``[n, s]`` or ``[B, 1, n, s]`` array: as given).
+    Query rows past ``n`` (padding, dropped) repeat the last row's; entries
+    past ``s`` are hidden. ``None`` for masks the fused op's own path must take."""
+    if mask is None or isinstance(mask, str):
+        keep = mx.arange(t)[None] <= (s - n + mx.arange(rows))[:, None]
+        return keep[None, None]
+    if mask.dtype != mx.bool_ or mask.ndim not in (2, 4) or mask.shape[-2:] != (n, s):
+        return None
+    if mask.ndim == 4 and mask.shape[1] != 1:
+        return None
+    keep = mask.reshape(-1, 1, n, s)
+    if rows > n:
+        last = mx.broadcast_to(keep[:, :, -1:], (keep.shape[0], 1, rows - n, s))
+        keep = mx.concatenate([keep, last], axis=2)
+    if t > s:
+        keep = mx.concatenate([keep, mx.zeros((keep.shape[0], 1, rows, t - s), mx.bool_)], axis=3)
+    return keep
+
+
 def padded_attention(
     queries: mx.array,
     cache: Any,
     scale: float,
-    masks: Dict[tuple, mx.array],
-    window: Optional[mx.array] = None,
+    masks: Dict[tuple, Any],
+    mask: Any = None,
+    fused: bool = True,
 ) -> Optional[mx.array]:
-    """The fused op over ``cache``'s whole buffer (``KVCache`` only), rows
-    past the window's causal limit masked; ``None`` where it does not apply.
-    ``window`` (``[n, n]`` booleans, a token tree's ancestors) replaces the
-    causal rule inside the window: the same shapes, so the same graphs, as
-    a chain of its width. ``masks`` keeps the bias for the forward's other
-    layers: one dict per forward, which feeds one window."""
-    full_k, full_v = getattr(cache, "keys", None), getattr(cache, "values", None)
-    if type(cache) is not KVCache or full_k is None or full_v is None:
+    """Attention over ``cache``'s whole buffer (a plain or a batch KV cache),
+    entries the window must not see hidden by an additive bias: the fused op
+    (``fused``), else matmuls (``explicit_attention``). ``None`` where it does
+    not apply. ``mask``: the forward's own (a batch's left padding and holes,
+    a token tree's ancestors), else the causal rule. The shapes, and the
+    kernels and graphs built for them, change only when the buffer grows
+    (every 256 entries), not with every round's cache length. ``masks``
+    keeps the bias for the forward's other layers: one dict per forward."""
+    full_k, full_v, s = getattr(cache, "keys", None), getattr(cache, "values", None), filled(cache)
+    if s is None or full_k is None or full_v is None or full_k.shape[2] < s:
         return None
-    n, s, t = queries.shape[2], cache.offset, full_k.shape[2]
-    if t < s:
-        return None
+    n, t = queries.shape[2], full_k.shape[2]
     # Query rows padded to a power of two (4, 8, 16): an adaptive draft
     # length then meets at most three graphs per buffer size, not fifteen.
     # Padding rows are zeros whose outputs are dropped.
     rows = max(4, 1 << (n - 1).bit_length())
-    key = (n, s, t, queries.dtype, window is None)
-    bias = masks.get(key)
-    if bias is None:
-        if window is None:
-            keep = mx.arange(t)[None] <= (s - n + mx.arange(rows))[:, None]
-        else:
-            inside = mx.concatenate([window, mx.ones((rows - n, n), mx.bool_)])
-            keep = mx.concatenate(
-                [mx.ones((rows, s - n), mx.bool_), inside, mx.zeros((rows, t - s), mx.bool_)],
-                axis=1,
-            )
+    key = (id(mask) if isinstance(mask, mx.array) else None, n, s, t, queries.dtype)
+    if key not in masks:
+        keep = _keep(mask, n, s, t, rows)
         low = mx.array(mx.finfo(queries.dtype).min, queries.dtype)
-        bias = masks[key] = mx.where(keep, mx.array(0, queries.dtype), low)[None, None]
+        bias = None if keep is None else mx.where(keep, mx.array(0, queries.dtype), low)
+        masks[key] = (mask, bias)  # the mask is held with its bias: its id stays its own
+    bias = masks[key][1]
+    if bias is None:
+        return None
     q = queries
     if rows > n:
         b, h, _, d = queries.shape
         q = mx.concatenate([queries, mx.zeros((b, h, rows - n, d), queries.dtype)], axis=2)
-    out = mx.fast.scaled_dot_product_attention(q, full_k, full_v, scale=scale, mask=bias)
+    if fused:
+        out = mx.fast.scaled_dot_product_attention(q, full_k, full_v, scale=scale, mask=bias)
+    else:
+        out = explicit_attention(q, full_k, full_v, scale, bias)
     return out[:, :, :n] if rows > n else out
 
 
 @contextlib.contextmanager
 def verify_attention(model: Any, width: int, policy: Optional[str] = None) -> Iterator[None]:
     """Within the block, the model's attention over ``width`` queries (2..16)
-    runs as ``padded_attention`` or ``explicit_attention``, as ``policy``
-    (default: ``attention_policy()``) says; quantized caches, attention
+    runs as ``padded_attention`` (over the cache's buffer: fused, "padded",
+    or matmuls, "buffer") or ``explicit_attention``, as ``policy`` (default:
+    ``attention_policy()``) says; quantized caches, attention
     sinks and single queries keep mlx-lm's function."""
     policy = policy or attention_policy()
     if width < 2 or width > EXPLICIT_MAX_QUERIES or policy == "fused":
@@ -211,12 +250,8 @@ def verify_attention(model: Any, width: int, policy: Optional[str] = None) -> It
                 or not 1 < queries.shape[2] <= EXPLICIT_MAX_QUERIES
             ):
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-            if (
-                policy == "padded"
-                and (mask is None or isinstance(mask, str))
-                and keys.shape[2] == cache.offset
-            ):
-                out = padded_attention(queries, cache, scale, masks)
+            if policy in ("padded", "buffer") and keys.shape[2] == filled(cache):
+                out = padded_attention(queries, cache, scale, masks, mask, policy == "padded")
                 if out is not None:
                     return out
             return explicit_attention(queries, keys, values, scale, mask)

@@ -200,12 +200,12 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
     the cache (as the cache's own mask allows: a batch's left padding and
     holes) and its own ancestors. One request is B = 1 on a plain cache
     (an int offset, no mask array); a batch, mlx-lm's batch caches (one
-    offset per row, a mask array). ``policy``: the fused op, or
-    (``explicit``) matmuls, as ``target`` says."""
+    offset per row, a mask array). ``policy``: the fused op, matmuls
+    (``explicit``), or either over the cache's buffer (``padded``,
+    ``buffer``), as ``target`` says."""
     B, W = len(parents), len(parents[0])
     depth = mx.array([depths(p) for p in parents], mx.int32)
     anc = mx.stack([ancestors(p) for p in parents])[:, None]
-    window = anc[0, 0]  # a request's ancestors, for ``target.padded_attention``
     positions: dict = {}  # a request's node positions, per cache offset (the same in each layer)
 
     def rope(orig):
@@ -229,7 +229,7 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
         return rotate
 
     combined: dict = {}  # one mask per forward and cache length, shared by its layers
-    padded: dict = {}  # the same for ``target.padded_attention`` (one window per forward)
+    padded: dict = {}  # the same for ``target.padded_attention``
 
     def sdpa(orig):
         def tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
@@ -241,17 +241,6 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
             ):
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
             s = keys.shape[2]
-            if (
-                policy == "padded"
-                and B == 1
-                and not isinstance(mask, mx.array)
-                and s == getattr(cache, "offset", None)
-            ):
-                # One request on a GPU: the fused op over the cache's buffer,
-                # the graphs of a chain of this width.
-                out = target_mod.padded_attention(queries, cache, scale, padded, window)
-                if out is not None:
-                    return out
             key = (id(mask) if isinstance(mask, mx.array) else None, s)
             if key not in combined:
                 full = mx.concatenate([mx.ones((B, 1, W, s - W), mx.bool_), anc], axis=-1)
@@ -259,9 +248,15 @@ def attention(model: Any, parents: list[list[int]], policy: str = "fused") -> It
                 both = mask & full if isinstance(mask, mx.array) else full
                 combined[key] = (mask, both)
             both = combined[key][1]
+            if policy in ("padded", "buffer") and s == target_mod.filled(cache):
+                # On a GPU: over the cache's buffer, the graphs of a chain of this width.
+                out = target_mod.padded_attention(
+                    queries, cache, scale, padded, both, policy == "padded"
+                )
+                if out is not None:
+                    return out
             if policy == "fused":
                 return orig(queries, keys, values, cache=cache, scale=scale, mask=both)
-            # CUDA half precision, a batch: matmuls, not a cuDNN graph per cache length.
             return target_mod.explicit_attention(queries, keys, values, scale, both)
 
         return tree_sdpa

@@ -595,6 +595,39 @@ def test_padded_windows_match_stock_and_stay_within_the_token_budget(llama, monk
     assert any(w in (4, 8) for _, w in rounds)
 
 
+@pytest.mark.parametrize("how", ["padded", "buffer"])
+def test_rounds_over_the_cache_buffers_match_stock(llama, monkeypatch, how):
+    """Verify attention over the caches' whole buffers (a GPU's batch
+    default, forced here with MLX_LM_SPEC_ATTENTION; trees:
+    ``test_batch_tree``), windows padded: outputs and caches stay stock's, every round's attention
+    went over the buffer, and a squeeze of the holes kept the buffer's size."""
+    from mlx_lm_spec_decode import target as target_mod
+
+    monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", how)
+    monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", "4,8")
+    monkeypatch.setattr(ragged_mod, "COMPACT_HOLES", 1)
+    model, tok = llama
+    prompts, late, kw, stock = greedy_case(model, tok)
+    seen, real = [], target_mod.padded_attention
+    monkeypatch.setattr(
+        target_mod, "padded_attention", lambda *a: seen.append(real(*a)) or seen[-1]
+    )
+    sizes, squeeze = [], RaggedKVCache.squeeze
+
+    def spy(self, plan):
+        before = None if self.keys is None else self.keys.shape[2]
+        squeeze(self, plan)
+        sizes.append((before, None if self.keys is None else self.keys.shape[2]))
+
+    monkeypatch.setattr(RaggedKVCache, "squeeze", spy)
+    gen = SpecBatchGenerator(model, NGramDrafter(n_min=1, auto_off=False, tree=False), 4, 10)
+    rows = closed_stats(gen)
+    assert_same(stock, drive(gen, prompts, [40, 25, 60], late, **kw))
+    assert sum(s.accepted for s in rows) > 0
+    assert seen and all(out is not None for out in seen)
+    assert sizes and all(a == b for a, b in sizes)
+
+
 def test_window_widths_follow_the_device_and_the_override(monkeypatch):
     from mlx_lm_spec_decode import target as target_mod
 

@@ -55,10 +55,11 @@ def test_batched_tree_forward_equals_chain_forwards(llama, monkeypatch):  # noqa
         assert not batch_tree._check(model)
 
 
-@pytest.mark.parametrize("policy", ["fused", "explicit"])
+@pytest.mark.parametrize("policy", ["fused", "explicit", "padded", "buffer"])
 def test_greedy_tree_rows_match_stock_tokens_and_caches(llama, policy, monkeypatch):  # noqa: F811
-    """``explicit``: the window's attention as matmuls, as on a CUDA GPU in
-    half precision (the tree's mask and positions go through it)."""
+    """``explicit``: the window's attention as matmuls; ``padded`` and
+    ``buffer``: over the caches' whole buffers, as on a CUDA GPU (the tree's
+    mask and positions go through each)."""
     monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", policy)
     model, tok = llama
     prompts, late, kw, stock = greedy_case(model, tok)

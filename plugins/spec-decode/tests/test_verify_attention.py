@@ -5,7 +5,7 @@ them only inside its verify forwards, and decoding stays greedy-identical."""
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_lm_spec_decode import DraftModelDrafter, NGramDrafter, speculative_generate_step
 from mlx_lm_spec_decode import target as target_mod
@@ -59,6 +59,33 @@ def test_padded_attention_reads_only_the_valid_rows(n):
     assert mx.allclose(got, ref, atol=1e-5, rtol=1e-5).item()
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_padded_attention_over_a_batch_buffer_keeps_the_rows_masks(n, fused):
+    """A batch cache with left padding and holes: over the whole buffer (its
+    stale tail included), with the cache's own mask, the fused op's answer."""
+    from mlx_lm_spec_decode.ragged import RaggedKVCache
+
+    hq, hkv, d = 6, 2, 16
+    cache = RaggedKVCache.of(BatchKVCache([3, 0, 5]))
+    _, k, v = _qkv(hq, hkv, 1, 40, d, seed=3)
+    k, v = mx.concatenate([k, k[:1]]), mx.concatenate([v, v[:1]])  # three rows
+    cache.update_and_fetch(k, v)
+    cache.rollback([2, 0, 4])  # rows 0 and 2 drop entries: holes
+    cache.trim(0)
+    mask = cache.make_mask(n, return_array=True)
+    q, k_new, v_new = _qkv(hq, hkv, n, n, d, seed=4)
+    q = mx.concatenate([q, q[:1]])
+    keys, values = cache.update_and_fetch(
+        mx.concatenate([k_new, k_new[:1]]), mx.concatenate([v_new, v_new[:1]])
+    )
+    assert cache.keys.shape[2] > keys.shape[2]  # the buffer is longer than the window sees
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask=mask)
+    got = target_mod.padded_attention(q, cache, 0.25, {}, mask, fused)
+    assert got.shape == ref.shape
+    assert mx.allclose(got, ref, atol=1e-5, rtol=1e-5).item()
+
+
 def test_padded_attention_declines_other_caches():
     from mlx_lm.models.cache import RotatingKVCache
 
@@ -73,9 +100,12 @@ def test_policy_from_environment(monkeypatch):
     cuda = getattr(mx, "cuda", None)
     on_cuda = cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
     assert target_mod.attention_policy() == (target_mod.AUTO_CUDA if on_cuda else "fused")
-    for how in ("fused", "explicit", "padded"):
+    assert target_mod.attention_policy(batch=True) == (
+        target_mod.AUTO_CUDA_BATCH if on_cuda else "fused"
+    )
+    for how in ("fused", "explicit", "padded", "buffer"):
         monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", how)
-        assert target_mod.attention_policy() == how
+        assert target_mod.attention_policy() == how == target_mod.attention_policy(batch=True)
     monkeypatch.setenv("MLX_LM_SPEC_ATTENTION", "flash")
     with pytest.raises(ValueError, match="MLX_LM_SPEC_ATTENTION must be one of"):
         target_mod.attention_policy()
