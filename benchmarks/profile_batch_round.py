@@ -14,7 +14,9 @@ Printed per C:
   prompt processing excluded) and their ratio; ``same``: every greedy
   output identical to stock's;
 - per call kind (stock's plain step, our plain step, our round at each
-  window width W), the call's median and 90th percentile (ms);
+  window width W), the call's median, 90th percentile and longest (ms),
+  and the seconds all of them took (a few calls that build kernels or
+  graphs on first use show in the longest and the total, not the median);
 - a round's phases (median ms): ``propose`` (the drafters' lookups, the
   decision), ``wait`` (reading the pending tokens back before building the
   round: the step in flight finishing), ``forward`` (the verify forward evaluated, acceptance read
@@ -285,12 +287,14 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="")
     by = {"stock plain step": stock_calls}
     for kind, t in rec.kinds:
         by.setdefault("ours " + kind, []).append(t)
-    print("| call | n | median ms | p90 ms | x sync forward of its width |\n|---|---|---|---|---|")
+    print("| call | n | median ms | p90 ms | max ms | total s | x sync forward of its width |\n"
+          "|---|---|---|---|---|---|---|")  # fmt: skip
     for kind, ts in sorted(by.items()):
         W = int(kind.split("W=")[1]) if "W=" in kind else 1
         ref = sync_forward(model, prompts[0], C, W, 10)
         print(f"| {kind} | {len(ts)} | {1e3 * statistics.median(ts):.2f} | "
-              f"{1e3 * q(ts, 0.9):.2f} | {statistics.median(ts) / ref:.2f} (sync {1e3 * ref:.2f}) |")  # fmt: skip
+              f"{1e3 * q(ts, 0.9):.2f} | {1e3 * max(ts):.1f} | {sum(ts):.2f} | "
+              f"{statistics.median(ts) / ref:.2f} (sync {1e3 * ref:.2f}) |")  # fmt: skip
     print("calls: " + ", ".join(f"{k} {v}" for k, v in sorted(rec.reasons.items())))
     if rec.phases["forward"]:
         print("| round phase | median ms | p90 ms |\n|---|---|---|")
