@@ -155,7 +155,7 @@ class SpecGenerationBatch(GenerationBatch):
         self.last_plain_b = 0  # batch size of the previous call, if it was a pipelined plain step
         self.owed: Optional[Tuple[float, Any]] = None  # the previous call's timing, unsent
         self.called: Optional[tuple] = None  # its (B, tokens, s, drafting on, round's shape)
-        self.shape: Optional[Tuple[int, int]] = None  # this call's round's (B, W)
+        self.shape: Optional[tuple] = None  # this call's round's (B, W, cache buffer)
         self.on = True  # drafting is on for this call's batch size
         self.returned = 0.0  # when the previous call returned
         self.steps = 0  # plain steps run (each row's figures catch up when it leaves)
@@ -410,13 +410,14 @@ class SpecGenerationBatch(GenerationBatch):
         ahead = pending is None
         windows, parents, sizes = self._windows(pending or [0] * B, drafts, trees)
         W = len(windows[0])
-        self.shape = (B, W)
         inputs = mx.array(windows, mx.uint32)
         if ahead:
             first = self._next_tokens.reshape(B, 1).astype(mx.uint32)
             inputs = mx.concatenate([first, inputs[:, 1:]], axis=1)
         branching = [not tree_mod.is_chain(p[:n]) for p, n in zip(parents, sizes, strict=True)]
         lps, paths, targets, rejected = self._check(inputs, windows, parents, sizes, branching)
+        # A new buffer size is a new shape too: attention runs over the buffer.
+        self.shape = (B, W, self.prompt_cache[0].keys.shape[2])
         if ahead:
             pending = read_back(self._next_tokens)  # evaluated with the round
             for w, tok in zip(windows, pending, strict=True):

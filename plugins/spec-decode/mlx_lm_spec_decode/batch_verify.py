@@ -156,7 +156,7 @@ class BatchController:
         self.off_calls: Dict[int, deque] = {}  # B -> the same with drafting off
         self.off_left: Dict[int, int] = {}  # B -> calls left with drafting off there
         self.off_losses: Dict[int, int] = {}  # B -> verdicts in a row that switched it off
-        self.shapes: set = set()  # the (B, W) of the rounds run
+        self.shapes: set = set()  # the (B, W, cache buffer) of the rounds run
 
     def drafting(self, B: int) -> bool:
         """Whether drafting is on at this batch size, as its calls have shown.
@@ -197,8 +197,9 @@ class BatchController:
     ) -> None:
         """A call of the batch at size ``B`` emitted ``tokens`` in ``seconds``
         (the caller's time after it included); ``on``: drafting was on;
-        ``shape``: a round's ``(B, W)``. The first round of each shape is
-        left out: it builds the kernels that later rounds of it reuse."""
+        ``shape``: a round's ``(B, W, cache buffer)``. The first round of
+        each shape is left out: it builds the kernels that later rounds of
+        it reuse (its attention runs over the buffer: ``target``)."""
         if not self.auto_off or seconds <= 0:
             return
         if shape is not None and shape not in self.shapes:
