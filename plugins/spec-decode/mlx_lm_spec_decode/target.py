@@ -36,7 +36,7 @@ POLICIES = ("auto", "fused", "explicit", "padded", "buffer")
 AUTO_CUDA = "padded"  # one request
 AUTO_CUDA_BATCH = "buffer"  # a batch
 GPU_WIDTHS = (4, 8, 12, 16)
-PAD_TOKENS = 16  # the most window tokens a batch is padded up to
+PAD_TOKENS = 64  # the most window tokens a batch is padded up to
 FLUSH_GPU = 5  # a verify forward's layers per flush on a GPU (host.flush_layers)
 
 

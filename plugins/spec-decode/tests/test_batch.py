@@ -568,6 +568,7 @@ def test_padded_windows_match_stock_and_stay_within_the_token_budget(llama, monk
     from mlx_lm_spec_decode import target as target_mod
 
     monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", "4,8")
+    monkeypatch.setattr(target_mod, "PAD_TOKENS", 16)  # three rows fit 4, not 8
     model, tok = llama
     prompts, late, kw, stock = greedy_case(model, tok)
     from mlx_lm_spec_decode.batch import SpecGenerationBatch
@@ -632,6 +633,7 @@ def test_window_widths_follow_the_device_and_the_override(monkeypatch):
     from mlx_lm_spec_decode import target as target_mod
 
     monkeypatch.delenv("MLX_LM_SPEC_WIDTHS", raising=False)
+    monkeypatch.setattr(target_mod, "PAD_TOKENS", 16)
     assert target_mod.window_widths() == ()  # the CPU: windows keep their width
     monkeypatch.setenv("MLX_LM_SPEC_WIDTHS", "8,4")
     assert target_mod.window_widths() == (4, 8)
