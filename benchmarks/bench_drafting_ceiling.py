@@ -25,7 +25,12 @@ its tokens to verify: what that drafter could reach with a perfect choice
 of draft length.
 
 Costs are measured here: a forward over ``[B, W]`` after a 512-token cache
-(median of ``--reps``), in plain steps of the same batch size. Serial
+(median of ``--reps``), in plain steps of the same batch size. With
+``--flat-verify X`` nothing is measured: a verify forward of any width
+costs ``X`` plain steps of its batch size, as on a memory-bound device
+(``X = 1``: a round as cheap as a step, the ceiling of such a device; the
+outputs replayed are the model's, so a CPU run of SmolLM2 in float32 gives
+the ceiling of the stand-in, which predicts the same tokens). Serial
 workloads run at B = 1; the batched server's pools in a closed loop of C
 clients (a finished request's row is taken by the next), where each
 round's window is the same width for every row, chosen by the oracle for
@@ -155,6 +160,11 @@ def forward_costs(model, batches, prefix=512, reps=5):
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def flat_costs(batches, verify):
+    """Costs in plain steps where a verify forward over any width costs ``verify``."""
+    return {(B, w): 1.0 if w == 1 else verify for B in batches for w in WIDTHS}
+
+
 def pipelined_step(model, cache, B, steps=16):
     """Seconds per step of ``steps`` greedy steps, each built and started
     before the previous one is read back."""
@@ -217,6 +227,14 @@ def main():
     add_device_args(p)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--concurrency", default="1,2,4,8")
+    p.add_argument(
+        "--flat-verify",
+        type=float,
+        default=None,
+        metavar="X",
+        help="measure no costs: a verify forward of any width costs X plain steps "
+        "(a memory-bound device; 1: the ceiling there)",
+    )
     add_target_args(p)
     args = p.parse_args()
     set_device(args)
@@ -227,16 +245,25 @@ def main():
     cap = max(WIDTHS) - 1
 
     t0 = time.perf_counter()
-    costs = forward_costs(model, batches, reps=args.reps)
+    if args.flat_verify is None:
+        costs = forward_costs(model, batches, reps=args.reps)
+    else:
+        costs = flat_costs(batches, args.flat_verify)
     print(
         f"# {target_name(args, args.dtype)} on {mx.default_device()}: forward over [B, W] in plain steps of B rows"
+        + (
+            ""
+            if args.flat_verify is None
+            else f" (given, not measured: --flat-verify {args.flat_verify})"
+        )
     )
     print("\n| B | step ms | " + " | ".join(f"W={w}" for w in WIDTHS) + " |")
     print("|---|---|" + "---|" * len(WIDTHS))
     for B in batches:
         cells = " | ".join(f"{costs[B, w] / costs[B, 1]:.2f}" for w in WIDTHS)
-        print(f"| {B} | {1e3 * costs[B, 1]:.1f} | {cells} |")
-    print(f"\n(costs measured in {time.perf_counter() - t0:.0f} s)\n", flush=True)
+        step = "-" if args.flat_verify is not None else f"{1e3 * costs[B, 1]:.1f}"
+        print(f"| {B} | {step} | {cells} |")
+    print(f"\n(costs taken in {time.perf_counter() - t0:.0f} s)\n", flush=True)
 
     # Serial workloads: (name, prompts). A replay's request may copy from the
     # prompts and outputs before it (the corpus).

@@ -100,3 +100,12 @@ def test_batched_rounds_share_one_width():
     # steps at 1.0 (row 0 finished): 8 tokens in 4.3 steps, stock 8 in 4.
     assert ratio == pytest.approx((8 / 4.3) / (8 / 4))
     assert tpf == pytest.approx(8 / 5)
+
+
+def test_a_flat_verify_prices_every_width_alike():
+    # A memory-bound device: a round costs 1.5 steps at any width, so one
+    # round over a 6-token copy (7 tokens) beats 7 plain steps 7 / 1.5 to 1.
+    cost = ceiling.flat_costs([1], 1.5)
+    assert cost[1, 1] == 1.0 and {cost[1, w] for w in ceiling.WIDTHS[1:]} == {1.5}
+    ratio, tpf = ceiling.simulate([[6, 5, 4, 3, 2, 1, 0]], 1, cost)
+    assert tpf == 7.0 and ratio == pytest.approx(7 / 1.5)
