@@ -21,7 +21,8 @@ own plain step (every row one token, pipelined) or a drafting round:
 The state between calls is mlx-lm's own (``_next_tokens``: each row's
 pending token, ``tokens``: what its cache holds), so plain steps and
 drafting rounds interleave freely. ``batch_verify.BatchController`` picks γ
-per batch size from measured step and round times. Behind a plain step the
+per batch size from measured step and round times (``policy.Policy``, the
+serial loop's too, at one row). Behind a plain step the
 pending tokens are still on the device, so the decision drafts from the
 tokens already emitted (the first draft a guess at the pending token) and
 reads nothing back: a declined decision costs the drafters' lookups, which
@@ -115,8 +116,8 @@ class SpecState:
             gmax,
             adaptive=getattr(drafter, "adaptive", True),
             auto_off=getattr(drafter, "auto_off", True),
+            widths=target_mod.window_widths(),  # windows padded up to these
         )
-        self.ctl.widths = target_mod.window_widths()  # windows padded up to these
         self.gamma_start = self.ctl.gamma
         self.stats: Dict[int, stats_mod.SpecStats] = {}
         self.no_draft: Optional[str] = None  # why the whole batch decodes plainly

@@ -18,7 +18,7 @@ Differences from mlx-lm's loop, each on purpose:
   place (the caller's list gets them), not an ``IndexError``.
 - γ adapts to the running acceptance, and drafting is switched off (with
   doubling back-off) while it measures slower than plain decoding
-  (``controller``).
+  (``controller``: the batch's ``policy.Policy`` at one row).
 
 One request is one ``VerifyLoop``: ``prefill`` (the prompt into the target's
 cache), ``rounds`` (draft and verify, or plain steps), ``settle`` (caches
@@ -271,9 +271,9 @@ class VerifyLoop:
                 break
             if self.ctl.off_for > 0:
                 n = min(self.ctl.off_for, remaining)
-                for_good = self.ctl.off_for >= 1 << 29  # drafting cannot pay here
+                for_good = self.ctl.for_good  # drafting cannot pay here
                 self.st.switched_off(self.ctl.why, for_good)
-                self.ctl.off_for = 0
+                self.ctl.resume()
                 # A drafter that costs nothing to ask (n-gram, suffix) keeps
                 # guessing, and drafting resumes as soon as its guesses hold.
                 watch = None

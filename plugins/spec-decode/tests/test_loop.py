@@ -337,10 +337,10 @@ def test_verify_cost_model_switches_off_where_drafting_cannot_pay(verify_cost, o
     if off:
         # Two timed verifies may have been slowed by other work: a back-off
         # first; off for good once enough verifies agree.
-        assert ctl.off_for == Controller.BACKOFF
+        assert ctl.off_for == Controller.WAIT
         while ctl.off_for < 1 << 30:
             ctl.update(3, 3, verify_cost(4))
-        assert len(ctl.verify) <= ctl.VERIFY_SURE + 1
+        assert len(ctl.verify[1]) <= ctl.VERIFY_SURE + 1
     gain = ctl.best_gain(0.9)
     assert (gain < ctl.SLACK) == off
 

@@ -1,6 +1,8 @@
-"""The draft-length rule both drivers share (policy), and the serial
-controller following it: long windows where a verify's width is free, short
-ones where each column costs a step."""
+"""The policy both drivers share (policy): the draft-length rule (long
+windows where a verify's width is free, short ones where each column costs
+a step), and one object keyed by batch size that the serial controller (B =
+1) and the batch's controller both are: the same γ, the same verdict and
+one switch with a doubling back-off for the same timings."""
 
 import pytest
 
@@ -96,3 +98,115 @@ def test_a_draft_models_steps_are_paid_per_draft_not_per_padded_column():
     for _ in range(6):
         ctl.update(3, 2, 1.3 + 3 * 0.5)  # two of three kept; the verify 1.3 steps
     assert ctl.off_for == 0 and 1 <= ctl.gamma < 15
+
+
+# ------------------------------------------------ one policy, two drivers
+
+
+def one_row(ctl, batch, acc, rounds, seconds, kept, k=3):
+    """The same timings to the serial controller and to a one-row batch:
+    two plain steps of a second, then ``rounds`` rounds of ``k`` drafts
+    that keep ``kept`` each and take ``seconds`` (the batch's calls too)."""
+    for _ in range(2):
+        ctl.update(0, 0, 1.0)
+        batch.plain_step(1, 1.0)
+    for _ in range(rounds):
+        ctl.update(k, kept, seconds)
+        batch.verify_round(1, k + 1, seconds, tokens=kept + 1)
+        batch.call(1, kept + 1, seconds, True)
+        acc.observe(k, kept)
+
+
+def test_the_serial_controller_and_a_one_row_batch_reach_the_same_length_and_verdict():
+    """One policy keyed by batch size: the serial loop is its B = 1. Rounds
+    that pay (four tokens in 1.3 plain steps) keep drafting on in both, at
+    the same γ; rounds whose drafts all miss (one token in 1.5 plain steps,
+    though the cost model would let a good drafter pay) switch it off in
+    both, for the same reason. The serial loop judges its rounds, the batch
+    its calls (more of them: a call may be a plain step), by one rule."""
+    ctl, batch, acc = Controller(3, 8), BatchController(3, 8), policy.Acceptance()
+    one_row(ctl, batch, acc, BatchController.JUDGE, 1.3, 3)
+    assert ctl.verify_cost() == pytest.approx(batch.verify_cost(1))
+    assert not ctl.switched_off and batch.drafting(1)
+    assert batch.choose(1, [8], [acc.alpha]) == ctl.gamma > 3
+
+    ctl, batch, acc = Controller(3, 8), BatchController(3, 8), policy.Acceptance()
+    one_row(ctl, batch, acc, BatchController.JUDGE, 1.5, 0)
+    assert not ctl.cannot_pay(1) and not batch.cannot_pay(1)  # the verify could pay
+    assert ctl.switched_off and not ctl.for_good and not batch.drafting(1)
+    why = "took 1.50x a plain step per token"
+    assert why in ctl.why and why in batch.switch(1).why, (ctl.why, batch.switch(1).why)
+    assert batch.choose(1, [8], [acc.alpha]) == 0  # the rounds' record declines too
+
+
+def test_a_size_whose_rounds_lose_is_switched_off_and_retried_after_a_doubling_back_off():
+    """Drafting judged against plain steps' tokens per second: a batch size
+    whose calls lose is off for WAIT calls (the last retries), twice as
+    many after each loss in a row; a size with no verdict of its own takes
+    a smaller one's; a win ends the doubling. The serial loop's back-off
+    (in tokens) is the same switch."""
+    ctl = BatchController(3, 8)
+    ctl.plain_step(4, 0.1)  # 40 tokens/s
+    ctl.plain_step(4, 0.1)
+
+    def lose_then_wait(B=4):
+        """Losing calls until drafting is off, then calls until it is back:
+        how many of each."""
+        calls = off = 0
+        while ctl.switch(B).left == 0:
+            assert ctl.drafting(B)
+            ctl.call(B, 4, 0.2, True)  # 20 tokens/s
+            calls += 1
+        while not ctl.drafting(B):
+            off += 1
+        return calls, off
+
+    J, W = BatchController.JUDGE_AGAIN, BatchController.WAIT
+    assert [lose_then_wait() for _ in range(3)] == [(J, W - 1), (J, 2 * W - 1), (J, 4 * W - 1)]
+    assert "calls took 2.00x a plain step per token" in ctl.switch(4).why
+    for _ in range(J):
+        ctl.call(4, 4, 0.08, True)  # 50 tokens/s: drafting pays again
+    assert lose_then_wait()[1] == W - 1  # (the calls that won still weigh in at first)
+    for _ in range(J):
+        ctl.call(4, 4, 0.2, True)
+    assert not ctl.drafting(5)  # five rows take four's verdict while it is off
+
+    serial = Controller(3, 8)
+    serial.update(0, 0, 1.0)
+    serial.update(0, 0, 1.0)
+    waits = []
+    for _ in range(3):
+        while not serial.switched_off:
+            serial.update(3, 0, 1.5)  # one token in 1.5 plain steps
+        waits.append(serial.off_for)
+        serial.resume()  # the loop spent the back-off on plain steps
+    assert waits == [Controller.WAIT, 2 * Controller.WAIT, 4 * Controller.WAIT]
+
+
+def test_a_verify_or_a_draft_step_that_can_never_pay_switches_off_for_good():
+    """Where a verify over w tokens costs about w plain steps (a CPU's
+    quantized kernel), no drafter could pay: a back-off first (two verifies
+    may have been slowed by other work), then off for the request once
+    VERIFY_SURE verifies agree. A draft step as dear as a target step is
+    off for good at once."""
+    ctl = Controller(3, 8)
+    ctl.update(0, 0, 1.0)
+    ctl.update(0, 0, 1.0)
+    offs = []
+    for _ in range(Controller.VERIFY_SURE):
+        ctl.update(3, 3, 0.1 + 0.95 * 4)  # every draft kept, still no gain
+        offs.append((ctl.switched_off, ctl.for_good))
+        if not ctl.for_good:
+            ctl.resume()  # the loop spent the back-off on plain steps
+    assert ctl.cannot_pay(1)
+    assert offs[0] == (False, False) and offs[1] == (True, False) and offs[-1] == (True, True)
+    assert ctl.why == "a verify forward costs too many plain steps to gain"
+
+    dear = Controller(3, 8)
+    dear.update(0, 0, 1.0)
+    dear.update(0, 0, 1.0)
+    dear.drafted(1, 0.9)
+    dear.drafted(1, 0.9)  # a draft step: 0.9 of a target step
+    dear.update(1, 1, 1.0 + 0.9)
+    assert dear.for_good and dear.off_for >= policy.FOREVER // 2
+    assert dear.why == "a draft step costs about as much as a target step"
