@@ -28,7 +28,14 @@ Printed per C:
 
 ``--repeats N``: stock and ours decode in turn N times (ours on one
 generator, as a server keeps one); the ratio is the medians', each turn's
-in brackets. ``--control stock`` puts stock in ours' place (what the
+in brackets. ``--queue K``: a busy server instead of one batch: each of C
+clients sends K requests one after another (the pool in turn), a finished
+row's slot taken by the next request, and every call timed, prompt
+processing included. One batch of C prompts (the default) ends with its
+slowest row: rows that finish early leave the rest decoding in a smaller
+batch whose step costs about as much on a memory-bound device, so it
+gains only what its least-drafted row gains; a server's freed slots take
+new requests and it gains what its rows gain on average. ``--control stock`` puts stock in ours' place (what the
 machine's drift alone reads), ``--control silent`` our generator with a
 drafter that never proposes (its cost where nothing is drafted).
 ``--probe 1,4,8``: no decoding; forwards of those widths as a round runs
@@ -68,21 +75,54 @@ def q(xs, p):
     return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
 
 
-def decode(gen, prompts, max_tokens):
-    """Drive ``gen`` to the end: each request's tokens, and each decode call's seconds."""
-    uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
-    out, done, calls = {u: [] for u in uids}, set(), []
-    while len(done) < len(uids):
+def decode(gen, prompts, max_tokens, inflight=0):
+    """Drive ``gen`` to the end: each request's tokens, and each decode call's seconds.
+
+    ``inflight`` 0: every prompt at once, a static batch that ends with its
+    slowest row; the calls that process prompts are left out. Else at most
+    that many requests at once, the next inserted as one finishes (a
+    server's clients, each sending its next request when its last one
+    ends): every call counts, prompt processing included, as a server's
+    clock does."""
+    if not inflight:
+        uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+        out, calls = _drive(gen, uids, lambda n: [], every=False)
+        return [out[u] for u in uids], calls
+    queue = list(range(len(prompts)))
+    index = {}  # uid -> the prompt's position
+
+    def admit(n):
+        take, queue[:n] = queue[:n], []
+        if not take:
+            return []
+        uids = gen.insert([prompts[i] for i in take], max_tokens=[max_tokens] * len(take))
+        index.update(zip(uids, take, strict=True))
+        return uids
+
+    out, calls = _drive(gen, admit(inflight), admit, every=True)
+    by_prompt = {index[u]: t for u, t in out.items()}
+    return [by_prompt[i] for i in range(len(prompts))], calls
+
+
+def _drive(gen, uids, admit, every):
+    """Call ``gen`` until every request, including those ``admit(n)`` adds as
+    ``n`` finish, is done; the seconds of ``every`` call, or of those that
+    emit no row's first token."""
+    out, left, calls = {u: [] for u in uids}, len(uids), []
+    while left:
         t = time.perf_counter()
         _, responses = gen.next()
         dt = time.perf_counter() - t
-        if responses and all(out[r.uid] for r in responses):
-            calls.append(dt)  # prompt processing's calls excluded
+        if every or (responses and all(out[r.uid] for r in responses)):
+            calls.append(dt)
+        finished = 0
         for r in responses:
             out[r.uid].append(r.token)
-            if r.finish_reason:
-                done.add(r.uid)
-    return [out[u] for u in uids], calls
+            finished += bool(r.finish_reason)
+        left -= finished
+        for u in admit(finished) if finished else []:
+            out[u], left = [], left + 1
+    return out, calls
 
 
 class Recorder:
@@ -254,28 +294,32 @@ class Silent(NGramDrafter):
         return [], None
 
 
-def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control=""):
+def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="", queue=0):
     """Stock and ours in turn, ``repeats`` times (ours on one generator, as a
     server keeps one: what its controller learnt carries over); the ratio of
-    the medians, and each turn's."""
+    the medians, and each turn's. ``queue``: each of C clients sends that
+    many requests one after another (the kind's pool in turn), else the
+    first C prompts decode as one batch."""
     pool = grounded() if kind == "grounded" else OPEN
+    chats = [pool[i % len(pool)] for i in range(C * queue)] if queue else pool[:C]
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-        for p in pool[:C]
+        for p in chats
     ]
-    decode(BatchGenerator(model), prompts, 8)  # warm up
+    inflight = C if queue else 0
+    decode(BatchGenerator(model), prompts[:C], 8)  # warm up
     drafter = Silent(tree=tree) if control == "silent" else NGramDrafter(tree=tree)
-    decode(batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft), prompts, 32)
+    decode(batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft), prompts[:C], 32)
     gen = batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft)
     rec = Recorder()
     s_rates, o_rates, stock_calls, same = [], [], [], True
     try:
         for _ in range(repeats):
-            stock, calls = decode(BatchGenerator(model), prompts, max_tokens)
+            stock, calls = decode(BatchGenerator(model), prompts, max_tokens, inflight)
             stock_calls += calls
             s_rates.append(sum(len(t) for t in stock) / sum(calls))
             other = BatchGenerator(model) if control == "stock" else gen
-            ours, our_calls = decode(other, prompts, max_tokens)
+            ours, our_calls = decode(other, prompts, max_tokens, inflight)
             o_rates.append(sum(len(t) for t in ours) / sum(our_calls))
             same = same and ours == stock
     finally:
@@ -317,6 +361,15 @@ def main():
         "generator with a drafter that never proposes (its cost without drafts)",
     )
     ap.add_argument("--repeats", type=int, default=1, help="turns of stock and ours per cell")
+    ap.add_argument(
+        "--queue",
+        type=int,
+        default=0,
+        metavar="K",
+        help="each of C clients sends K requests one after another, a row's slot "
+        "refilled as it finishes (a busy server; every call timed, prompt processing "
+        "included); 0: C prompts decode as one batch, which ends with its slowest row",
+    )
     ap.add_argument(
         "--compact-holes",
         type=int,
@@ -361,6 +414,7 @@ def main():
                 kind,
                 args.repeats,
                 args.control,
+                args.queue,
             )
 
 

@@ -57,6 +57,13 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", default="flush=off;flush=5")
+    ap.add_argument(
+        "--queue",
+        type=int,
+        default=0,
+        metavar="K",
+        help="each of C clients sends K requests in turn (profile_batch_round.py --queue)",
+    )
     add_target_args(ap)
     args = ap.parse_args()
     levels, kinds = batch_levels(ap, args)
@@ -77,7 +84,7 @@ def main():
         print(f"\n# variant {name}", flush=True)
         for kind in kinds:
             for C in levels:
-                pbr.run(model, tok, C, args.max_tokens, True, kind, args.repeats)
+                pbr.run(model, tok, C, args.max_tokens, True, kind, args.repeats, queue=args.queue)
                 sys.stdout.flush()
 
 
