@@ -87,6 +87,8 @@ class Row:
         self.failed: Optional[str] = None
         self.acceptance = policy.Acceptance()
         self.guess: Optional[tuple] = None  # (history index, drafts) not verified: γ was 0
+        self.watch: Optional[Any] = None  # while drafting is off: its guesses scored
+        self.history: List[int] = []  # the batch's token list of the row, while watched
 
     @property
     def alpha(self) -> float:
@@ -221,6 +223,32 @@ class SpecGenerationBatch(GenerationBatch):
             d.accept(row.ctx, list(history[row.told :]), 0)
         row.told = len(history)
 
+    def _watch(self) -> None:
+        """While drafting is off: each row's drafter keeps guessing from its
+        tokens and the guesses are scored against the tokens emitted
+        (``policy.resume_watch``, after the step was started: the lookups
+        overlap it); drafting is retried at this batch size as soon as the
+        rows whose guesses hold would make a round pay
+        (``BatchController.resumes``): the text has started to copy."""
+        hot = []
+        for i, row in enumerate(self.rows):
+            row.history = self.tokens[i]  # appended to in place by every step
+            if row.watch is None:
+                row.watch = policy.resume_watch(
+                    lambda row=row: self._guess(row), lambda row=row: row.history[-1]
+                )
+            hot.append(bool(row.history) and bool(self._guard(row, row.watch)))
+        B = len(self.rows)
+        if B and any(hot) and self.spec.ctl.resumes(B, hot):
+            for row in self.rows:
+                row.watch = None
+
+    def _guess(self, row: Row) -> List[int]:
+        """The row's drafter's proposal after its tokens so far."""
+        self._sync(row, row.history)
+        drafts = self.spec.drafter.draft(row.ctx, self.spec.ctl.gmax)
+        return [int(t) for t in drafts[0]] if drafts else []
+
     def _propose(
         self, pending: Optional[List[int]], use_trees: bool
     ) -> Tuple[List[List[int]], List[Any]]:
@@ -285,11 +313,15 @@ class SpecGenerationBatch(GenerationBatch):
         spec, B = self.spec, len(self.uids)
         if spec is not None and not spec.no_draft and not spec.ctl.drafting(B):
             # Drafting lost at this size: mlx-lm's own steps, on a cache
-            # without holes, and no proposals.
+            # without holes; the rows' guesses are only scored.
             self.on, self.plain_left = False, 0
             if self.last_plain_b != B:
                 self._squeeze()
-            return self._plain()
+            out = self._plain()
+            self._watch()
+            return out
+        for row in self.rows:
+            row.watch = None
         if spec is None or spec.no_draft or self.plain_left > 0 or spec.ctl.needs_plain(B):
             if spec is not None and self.plain_left == 0 and spec.ctl.needs_plain(B):
                 self.plain_left = BatchController.PROBE

@@ -13,7 +13,7 @@ watch that ends a back-off where a free drafter's guesses hold again.
 """
 
 from collections import deque
-from typing import Callable, List, Optional
+from typing import Optional
 
 from . import policy
 
@@ -199,31 +199,3 @@ class Controller(policy.Policy):
         self.yields[B] = deque(maxlen=self.SAMPLES)
         self.timed = min(self.timed, 1)
         self.probe = 1
-
-
-RESUME_HITS = 3  # guesses kept in a row while drafting is off before it resumes
-
-
-def resume_watch(guess: Callable[[], List[int]], last: Callable[[], int]) -> Callable[[], bool]:
-    """While drafting is off: score a free drafter's guesses (``guess()``, the
-    drafter's proposal now) against each token emitted (``last()``); True
-    once ``RESUME_HITS`` in a row would have been kept: the text has started
-    to repeat something the drafter holds, so drafting should resume. The
-    count runs on across guesses: a guess kept to its end is followed by the
-    next one, so short guesses (two tokens, as n-gram lookups often are)
-    resume drafting too."""
-    state = {"guess": [], "pos": 0, "hits": 0}
-
-    def watch() -> bool:
-        g, pos = state["guess"], state["pos"]
-        hit = pos < len(g) and g[pos] == last()
-        state["hits"] = state["hits"] + 1 if hit else 0
-        if state["hits"] >= RESUME_HITS:
-            return True
-        if hit and pos + 1 < len(g):
-            state["pos"] = pos + 1
-        else:  # a miss, or the guess kept to its end: ask again for what follows
-            state["guess"], state["pos"] = [int(t) for t in guess()], 0
-        return False
-
-    return watch

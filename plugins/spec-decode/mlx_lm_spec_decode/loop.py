@@ -39,8 +39,9 @@ from mlx_lm.sample_utils import greedy_sampler
 from . import policy, ragged, sampling, tree_verify
 from . import stats as stats_mod
 from . import target as target_mod
-from .controller import Controller, resume_watch
+from .controller import Controller
 from .drafter import DraftContext, DrafterProtocol
+from .policy import resume_watch
 
 log = logging.getLogger("mlx_lm_spec_decode")
 

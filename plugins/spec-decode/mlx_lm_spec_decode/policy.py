@@ -490,6 +490,13 @@ class Policy:
         for the request's summary line."""
         self.switch(B).lose(why, for_good, self.JUDGE_AGAIN)
 
+    def resume(self, B: int) -> None:
+        """End the wait of the switch ``drafting(B)`` reads: drafting is on
+        at B from the next call."""
+        k = self._borrowed([k for k, s in self.switches.items() if s.judged], B)
+        if k is not None:
+            self.switches[k].retry()
+
     def drafting(self, B: int) -> bool:
         """Whether drafting is on at B, as the verdicts have shown; while off,
         each call counts one unit of the wait. A size never judged takes the
@@ -498,3 +505,29 @@ class Policy:
             return True
         k = self._borrowed([k for k, s in self.switches.items() if s.judged], B)
         return k is None or self.switches[k].left <= 0 or self.switches[k].elapse()
+
+
+RESUME_HITS = 3  # guesses kept in a row while drafting is off before it resumes
+
+
+def resume_watch(guess: Callable[[], List[int]], last: Callable[[], int]) -> Callable[[], bool]:
+    """While drafting is off: score a free drafter's guesses (``guess()``, the
+    drafter's proposal now) against each token emitted (``last()``); True
+    while the last ``RESUME_HITS`` or more in a row would have been kept:
+    the text has started to repeat something the drafter holds, so drafting
+    should resume. The count runs on across guesses: a guess kept to its end
+    is followed by the next one, so short guesses (two tokens, as n-gram
+    lookups often are) resume drafting too."""
+    state = {"guess": [], "pos": 0, "hits": 0}
+
+    def watch() -> bool:
+        g, pos = state["guess"], state["pos"]
+        hit = pos < len(g) and g[pos] == last()
+        state["hits"] = state["hits"] + 1 if hit else 0
+        if hit and pos + 1 < len(g):
+            state["pos"] = pos + 1
+        else:  # a miss, or the guess kept to its end: ask again for what follows
+            state["guess"], state["pos"] = [int(t) for t in guess()], 0
+        return state["hits"] >= RESUME_HITS
+
+    return watch

@@ -526,6 +526,60 @@ def test_drafting_switches_off_where_the_callers_clock_shows_rounds_lose():
     assert share > 0.5 and speed > 1.3, (share, speed)
 
 
+def test_resume_needs_enough_rows_whose_guesses_hold_to_pay():
+    """While drafting is off at a batch size, rows whose guesses hold
+    retry it at once where their rounds would pay by the measured cost
+    (one copying row of one; three of four) and not where they cannot pay
+    for the rest (one copying row of four: a round of width 4 costs 1.9
+    plain steps, and emits about 6.4 tokens where a plain step emits 4)."""
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    ctl = BatchController(3, 8)
+    for B, column in ((1, 0.002), (4, 0.03)):
+        for _ in range(2):
+            ctl.plain_step(B, 0.10)
+        for _ in range(BatchController.EXPLORE):
+            ctl.verify_round(B, 4, 0.10 + 3 * column)
+        ctl.switch_off(B, "lost")
+        assert not ctl.drafting(B)
+    assert not ctl.resumes(1, [False])
+    assert not ctl.resumes(4, [True, False, False, False])
+    assert not ctl.drafting(4)
+    assert ctl.resumes(1, [True]) and ctl.drafting(1)
+    assert ctl.resumes(4, [True, True, True, False]) and ctl.drafting(4)
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_drafting_switched_off_resumes_once_the_rows_guesses_hold(llama, monkeypatch, watched):
+    """A batch size whose drafting was switched off decodes plain steps, but
+    its rows' drafters keep guessing from their tokens: once a row's output
+    starts repeating what it holds, drafting resumes long before the wait
+    ends, with stock's tokens. Without the watch's verdict, the whole wait
+    is plain steps."""
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    if not watched:
+        monkeypatch.setattr(BatchController, "resumes", lambda self, B, hot: False)
+    model, tok = llama
+    prompt = [tok.encode(TEXT * 3)]
+    stock = drive(BatchGenerator(model), prompt, [48])
+    gen = SpecBatchGenerator(model, NGramDrafter(n_min=1), 4, 8)
+    ctl = gen.spec.ctl
+    for _ in range(2):
+        ctl.plain_step(1, 0.010)
+    for w in (2, 5):
+        for _ in range(BatchController.EXPLORE):
+            ctl.verify_round(1, w, 0.010 + 0.0005 * w)
+    ctl.switch_off(1, "lost")
+    assert ctl.switch(1).left > 48  # the wait outlasts the request
+    rows = closed_stats(gen)
+    assert_same(stock, drive(gen, prompt, [48]))
+    if watched:
+        assert rows[0].draft_rounds > 0 and rows[0].forwards < rows[0].emitted
+    else:
+        assert rows[0].draft_rounds == 0 and rows[0].forwards == rows[0].emitted
+
+
 def test_a_long_plain_run_after_rounds_squeezes_their_holes_out(llama, monkeypatch):
     """Rounds leave holes where rows rolled back apart; once the controller
     declines long enough for a run of plain steps, the holes are squeezed

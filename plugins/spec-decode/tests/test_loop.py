@@ -426,7 +426,7 @@ def test_drafting_resumes_when_guesses_start_to_hold(tiny_llama, repetitive_prom
     """Switched off by wrong drafts, a free drafter keeps guessing while the
     back-off runs; once its guesses hold, drafting resumes before the
     back-off would have ended (greedy output unchanged)."""
-    from mlx_lm_spec_decode import controller
+    from mlx_lm_spec_decode import policy
 
     model, tok = tiny_llama
     prompt = repetitive_prompt(tok)
@@ -439,8 +439,8 @@ def test_drafting_resumes_when_guesses_start_to_hold(tiny_llama, repetitive_prom
             return ([0] * k if pos < right_from else ref[pos : pos + k]), None
 
     runs = {}
-    for mode, hits in (("guessing", controller.RESUME_HITS), ("back-off only", 1 << 30)):
-        monkeypatch.setattr(controller, "RESUME_HITS", hits)
+    for mode, hits in (("guessing", policy.RESUME_HITS), ("back-off only", 1 << 30)):
+        monkeypatch.setattr(policy, "RESUME_HITS", hits)
         assert spec(model, Late(), prompt, n, k=8) == ref
         runs[mode] = last_stats()
         print(mode, runs[mode].line())

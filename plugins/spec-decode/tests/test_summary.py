@@ -112,7 +112,7 @@ def test_a_drafter_as_dear_as_the_target_is_off_from_a_named_token(smollm2):
 def _watch(tokens, guess_len):
     """Feed ``tokens`` to a resume watch whose drafter always guesses the
     next ``guess_len`` of them right; the token count at which it says resume."""
-    from mlx_lm_spec_decode.controller import resume_watch
+    from mlx_lm_spec_decode.policy import resume_watch
 
     seen = []
     watch = resume_watch(lambda: tokens[len(seen) : len(seen) + guess_len], lambda: seen[-1])
@@ -134,7 +134,7 @@ def test_short_guesses_that_keep_holding_resume_drafting():
 
 
 def test_guesses_that_miss_never_resume_drafting():
-    from mlx_lm_spec_decode.controller import resume_watch
+    from mlx_lm_spec_decode.policy import resume_watch
 
     seen = []
     watch = resume_watch(lambda: [0, 0], lambda: seen[-1])
