@@ -227,19 +227,23 @@ class SpecGenerationBatch(GenerationBatch):
         """While drafting is off: each row's drafter keeps guessing from its
         tokens and the guesses are scored against the tokens emitted
         (``policy.resume_watch``, after the step was started: the lookups
-        overlap it); drafting is retried at this batch size as soon as the
-        rows whose guesses hold would make a round pay
+        overlap it; the rows' acceptance learns from them); drafting is
+        retried at this batch size as soon as the rows whose guesses hold,
+        at their acceptance, would make a round pay
         (``BatchController.resumes``): the text has started to copy."""
         hot = []
         for i, row in enumerate(self.rows):
             row.history = self.tokens[i]  # appended to in place by every step
             if row.watch is None:
                 row.watch = policy.resume_watch(
-                    lambda row=row: self._guess(row), lambda row=row: row.history[-1]
+                    lambda row=row: self._guess(row),
+                    lambda row=row: row.history[-1],
+                    row.observe,  # the row's acceptance learns from its guesses
                 )
             hot.append(bool(row.history) and bool(self._guard(row, row.watch)))
         B = len(self.rows)
-        if B and any(hot) and self.spec.ctl.resumes(B, hot):
+        alphas = [r.alpha if h else 0.0 for r, h in zip(self.rows, hot, strict=True)]
+        if B and any(hot) and self.spec.ctl.resumes(B, alphas):
             for row in self.rows:
                 row.watch = None
 

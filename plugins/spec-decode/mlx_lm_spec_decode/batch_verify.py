@@ -168,20 +168,18 @@ class BatchController(policy.Policy):
         q.append((tokens, seconds))
         self.judge(B, q, self._plain_rate(B), "calls")
 
-    def resumes(self, B: int, hot: List[bool]) -> bool:
-        """Whether drafting, off at B, is retried now: the ``hot`` rows (their
-        guesses held lately, ``policy.resume_watch``) drafting ``gmax`` at
-        ``BEST_ACCEPT`` and the others nothing would beat plain steps by
-        ``SLACK`` at B's measured cost. A wait ended this way is judged
-        again on its calls, and a loss doubles the next wait."""
+    def resumes(self, B: int, alphas: List[float]) -> bool:
+        """Whether drafting, off at B, is retried now: the rows with an
+        acceptance in ``alphas`` (0: their guesses did not hold lately,
+        ``policy.resume_watch``) drafting ``gmax`` and the others nothing
+        would beat plain steps by ``SLACK`` at B's measured cost. A wait
+        ended this way is judged again on its calls, and a loss doubles the
+        next wait."""
         cost = self.cost(B)
-        if cost is None or not any(hot):
+        if cost is None or not any(alphas):
             return False
         best = self.length(
-            B,
-            [self.BEST_ACCEPT if h else 0.0 for h in hot],
-            [self.gmax if h else 0 for h in hot],
-            floor=B / cost[0] * self.SLACK,
+            B, alphas, [self.gmax if a else 0 for a in alphas], floor=B / cost[0] * self.SLACK
         )
         if not best or not best[0]:
             return False

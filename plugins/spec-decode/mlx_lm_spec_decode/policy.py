@@ -510,14 +510,19 @@ class Policy:
 RESUME_HITS = 3  # guesses kept in a row while drafting is off before it resumes
 
 
-def resume_watch(guess: Callable[[], List[int]], last: Callable[[], int]) -> Callable[[], bool]:
+def resume_watch(
+    guess: Callable[[], List[int]],
+    last: Callable[[], int],
+    score: Optional[Callable[[int, int], None]] = None,
+) -> Callable[[], bool]:
     """While drafting is off: score a free drafter's guesses (``guess()``, the
     drafter's proposal now) against each token emitted (``last()``); True
     while the last ``RESUME_HITS`` or more in a row would have been kept:
     the text has started to repeat something the drafter holds, so drafting
     should resume. The count runs on across guesses: a guess kept to its end
     is followed by the next one, so short guesses (two tokens, as n-gram
-    lookups often are) resume drafting too."""
+    lookups often are) resume drafting too. ``score(k, a)``: a guess of
+    ``k`` tokens ended with ``a`` kept (as a round would have)."""
     state = {"guess": [], "pos": 0, "hits": 0}
 
     def watch() -> bool:
@@ -527,6 +532,8 @@ def resume_watch(guess: Callable[[], List[int]], last: Callable[[], int]) -> Cal
         if hit and pos + 1 < len(g):
             state["pos"] = pos + 1
         else:  # a miss, or the guess kept to its end: ask again for what follows
+            if g and score is not None:
+                score(len(g), pos + hit)
             state["guess"], state["pos"] = [int(t) for t in guess()], 0
         return state["hits"] >= RESUME_HITS
 

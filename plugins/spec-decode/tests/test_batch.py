@@ -527,26 +527,27 @@ def test_drafting_switches_off_where_the_callers_clock_shows_rounds_lose():
 
 
 def test_resume_needs_enough_rows_whose_guesses_hold_to_pay():
-    """While drafting is off at a batch size, rows whose guesses hold
-    retry it at once where their rounds would pay by the measured cost
-    (one copying row of one; three of four) and not where they cannot pay
-    for the rest (one copying row of four: a round of width 4 costs 1.9
-    plain steps, and emits about 6.4 tokens where a plain step emits 4)."""
+    """While drafting is off at a batch size, rows whose guesses hold retry
+    it at once where their rounds would pay at their acceptance by the
+    measured cost (one copying row of one; three of four) and not where
+    they cannot pay for the rest (one copying row of four: a round of width
+    4 costs 1.9 plain steps, and emits about 6.4 tokens where a plain step
+    emits 4), nor where the guesses mostly missed (acceptance 0.1)."""
     from mlx_lm_spec_decode.batch_verify import BatchController
 
     ctl = BatchController(3, 8)
-    for B, column in ((1, 0.002), (4, 0.03)):
+    for B, column in ((1, 0.02), (4, 0.03)):
         for _ in range(2):
             ctl.plain_step(B, 0.10)
         for _ in range(BatchController.EXPLORE):
             ctl.verify_round(B, 4, 0.10 + 3 * column)
         ctl.switch_off(B, "lost")
         assert not ctl.drafting(B)
-    assert not ctl.resumes(1, [False])
-    assert not ctl.resumes(4, [True, False, False, False])
+    assert not ctl.resumes(1, [0.0]) and not ctl.resumes(1, [0.1])
+    assert not ctl.resumes(4, [0.9, 0.0, 0.0, 0.0])
     assert not ctl.drafting(4)
-    assert ctl.resumes(1, [True]) and ctl.drafting(1)
-    assert ctl.resumes(4, [True, True, True, False]) and ctl.drafting(4)
+    assert ctl.resumes(1, [0.9]) and ctl.drafting(1)
+    assert ctl.resumes(4, [0.9, 0.9, 0.9, 0.0]) and ctl.drafting(4)
 
 
 @pytest.mark.parametrize("watched", [True, False])
@@ -559,7 +560,7 @@ def test_drafting_switched_off_resumes_once_the_rows_guesses_hold(llama, monkeyp
     from mlx_lm_spec_decode.batch_verify import BatchController
 
     if not watched:
-        monkeypatch.setattr(BatchController, "resumes", lambda self, B, hot: False)
+        monkeypatch.setattr(BatchController, "resumes", lambda self, B, alphas: False)
     model, tok = llama
     prompt = [tok.encode(TEXT * 3)]
     stock = drive(BatchGenerator(model), prompt, [48])

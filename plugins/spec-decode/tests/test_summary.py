@@ -141,3 +141,21 @@ def test_guesses_that_miss_never_resume_drafting():
     for t in range(1, 40):
         seen.append(t)
         assert not watch()
+
+
+def test_a_watch_scores_each_guess_as_a_round_would_have_kept_it():
+    """Each guess that ends (a miss, or kept to its end) is reported with how
+    many of its tokens were kept: what the batch's rows learn their
+    acceptance from while drafting is off."""
+    from mlx_lm_spec_decode.policy import resume_watch
+
+    tokens, seen, scores = list(range(100, 130)), [], []
+    watch = resume_watch(
+        lambda: tokens[len(seen) : len(seen) + 2] + [0],  # two right, then wrong
+        lambda: seen[-1],
+        lambda k, a: scores.append((k, a)),
+    )
+    for t in tokens:
+        seen.append(t)
+        watch()
+    assert scores and set(scores) == {(3, 2)}
