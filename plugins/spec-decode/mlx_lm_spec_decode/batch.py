@@ -88,7 +88,6 @@ class Row:
         self.acceptance = policy.Acceptance()
         self.guess: Optional[tuple] = None  # (history index, drafts) not verified: γ was 0
         self.watch: Optional[Any] = None  # while drafting is off: its guesses scored
-        self.history: List[int] = []  # the batch's token list of the row, while watched
 
     @property
     def alpha(self) -> float:
@@ -164,6 +163,7 @@ class SpecGenerationBatch(GenerationBatch):
         self.steps = 0  # plain steps run (each row's figures catch up when it leaves)
         self.idle = 0  # plain steps since the last round
         self.pending: Optional[List[int]] = None  # the rows' pending tokens, when known here
+        self.watching = False  # drafting is off and the rows' guesses are scored
         super().__init__(*args, **kwargs)
 
     # ----------------------------------------------------- rows join and leave
@@ -231,25 +231,31 @@ class SpecGenerationBatch(GenerationBatch):
         retried at this batch size as soon as the rows whose guesses hold,
         at their acceptance, would make a round pay
         (``BatchController.resumes``): the text has started to copy."""
-        hot = []
+        self.watching, hot = True, []
         for i, row in enumerate(self.rows):
-            row.history = self.tokens[i]  # appended to in place by every step
             if row.watch is None:
+                # The row's token list: every step appends to it in place,
+                # and rows leaving or joining keep it.
+                tokens = self.tokens[i]
                 row.watch = policy.resume_watch(
-                    lambda row=row: self._guess(row),
-                    lambda row=row: row.history[-1],
+                    lambda row=row, tokens=tokens: self._guess(row, tokens),
+                    lambda tokens=tokens: tokens[-1],
                     row.observe,  # the row's acceptance learns from its guesses
                 )
-            hot.append(bool(row.history) and bool(self._guard(row, row.watch)))
-        B = len(self.rows)
+            hot.append(bool(self._guard(row, row.watch)))
         alphas = [r.alpha if h else 0.0 for r, h in zip(self.rows, hot, strict=True)]
-        if B and any(hot) and self.spec.ctl.resumes(B, alphas):
-            for row in self.rows:
-                row.watch = None
+        if any(hot) and self.spec.ctl.resumes(len(self.rows), alphas):
+            self._unwatch()
 
-    def _guess(self, row: Row) -> List[int]:
-        """The row's drafter's proposal after its tokens so far."""
-        self._sync(row, row.history)
+    def _unwatch(self) -> None:
+        """Drafting is on again: the watches end (a later switch-off starts fresh ones)."""
+        self.watching = False
+        for row in self.rows:
+            row.watch = None
+
+    def _guess(self, row: Row, tokens: List[int]) -> List[int]:
+        """The row's drafter's proposal after ``tokens``, its tokens so far."""
+        self._sync(row, tokens)
         drafts = self.spec.drafter.draft(row.ctx, self.spec.ctl.gmax)
         return [int(t) for t in drafts[0]] if drafts else []
 
@@ -324,8 +330,8 @@ class SpecGenerationBatch(GenerationBatch):
             out = self._plain()
             self._watch()
             return out
-        for row in self.rows:
-            row.watch = None
+        if self.watching:
+            self._unwatch()
         if spec is None or spec.no_draft or self.plain_left > 0 or spec.ctl.needs_plain(B):
             if spec is not None and self.plain_left == 0 and spec.ctl.needs_plain(B):
                 self.plain_left = BatchController.PROBE

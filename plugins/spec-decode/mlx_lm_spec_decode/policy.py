@@ -490,12 +490,18 @@ class Policy:
         for the request's summary line."""
         self.switch(B).lose(why, for_good, self.JUDGE_AGAIN)
 
+    def _verdict(self, B: int) -> Optional[Switch]:
+        """The switch whose verdict B takes: its own, or, never judged, the
+        one ``_borrowed`` picks; None without any."""
+        k = self._borrowed([k for k, s in self.switches.items() if s.judged], B)
+        return None if k is None else self.switches[k]
+
     def resume(self, B: int) -> None:
         """End the wait of the switch ``drafting(B)`` reads: drafting is on
         at B from the next call."""
-        k = self._borrowed([k for k, s in self.switches.items() if s.judged], B)
-        if k is not None:
-            self.switches[k].retry()
+        sw = self._verdict(B)
+        if sw is not None:
+            sw.retry()
 
     def drafting(self, B: int) -> bool:
         """Whether drafting is on at B, as the verdicts have shown; while off,
@@ -503,8 +509,8 @@ class Policy:
         verdict of the one ``_borrowed`` picks."""
         if not self.auto_off:
             return True
-        k = self._borrowed([k for k, s in self.switches.items() if s.judged], B)
-        return k is None or self.switches[k].left <= 0 or self.switches[k].elapse()
+        sw = self._verdict(B)
+        return sw is None or sw.left <= 0 or sw.elapse()
 
 
 RESUME_HITS = 3  # guesses kept in a row while drafting is off before it resumes
