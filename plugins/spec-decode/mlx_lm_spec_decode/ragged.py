@@ -85,7 +85,8 @@ class RaggedKVCache(BatchKVCache):
         rest = np.array([d - common for d in drop])
         if not rest.any():
             return
-        self.offset = self.offset - mx.array(rest)
+        # int32 as mlx-lm's own offsets (NumPy's default int64 would promote them).
+        self.offset = self.offset - mx.array(rest, mx.int32)
         new = np.arange(self._idx)[None] >= (self._idx - rest)[:, None]
         self.holes = new if self.holes is None else (self._holes(self._idx) | new)
 

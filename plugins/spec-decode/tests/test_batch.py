@@ -225,6 +225,8 @@ def test_ragged_rollback_keeps_each_rows_entries(llama):
         c.rollback([3, 1])  # row 0 keeps a, row 1 keeps b + [8, 9]
     want = batch_cache([a, b + [8, 9]])
     for c, w in zip(ragged, want, strict=True):
+        # Positions (RoPE) as mlx-lm's own: the same values, in its int32.
+        assert c.offset.tolist() == w.offset.tolist() and c.offset.dtype == w.offset.dtype
         for i in range(2):
             x, y = c.extract(i), w.extract(i)
             assert x.offset == y.offset and mx.allclose(x.keys, y.keys, atol=1e-5).item()
