@@ -9,7 +9,9 @@ forward's layers per flush to the device, ``off``, or ``auto``),
 ``compact`` (``ragged.COMPACT_HOLES``: squeeze a batch's cache once a row
 has this many holes), ``attention`` (``MLX_LM_SPEC_ATTENTION``: ``buffer``,
 ``padded``, ``explicit``, ``fused`` or ``auto``) and ``pad``
-(``target.PAD_TOKENS``: the most tokens a batch's windows are padded up to). Then, for each prompt kind and concurrency, stock
+(``target.PAD_TOKENS``: the most tokens a batch's windows are padded up to) and ``mask``
+(``host``: a holey cache's mask copied from the host at every step, as
+before the device copy per rollback; ``device``: as shipped). Then, for each prompt kind and concurrency, stock
 and ours decode in turn (``profile_batch_round.run``: the same tables).
 Variants run one after the other on one machine, so each has its own
 stock turns to compare with: the ratio, not the tokens/s, carries across.
@@ -21,6 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import mlx.core as mx  # noqa: E402
 import profile_batch_round as pbr  # noqa: E402
 from common import (  # noqa: E402
     add_device_args,
@@ -33,7 +36,7 @@ from common import (  # noqa: E402
 
 from mlx_lm_spec_decode import target as target_mod  # noqa: E402
 
-SETTINGS = {"flush", "compact", "attention", "pad"}
+SETTINGS = {"flush", "compact", "attention", "pad", "mask"}
 
 
 def parse(text):
@@ -45,8 +48,15 @@ def parse(text):
             raise ValueError(f"variant {variant!r}: give {' and/or '.join(sorted(SETTINGS))}")
         int(opts.get("compact", 0))
         int(opts.get("pad", 0))
+        if opts.get("mask", "device") not in ("host", "device"):
+            raise ValueError(f"variant {variant!r}: mask is host or device")
         out.append((variant, opts))
     return out
+
+
+def host_holes(cache, n):
+    """The holes' mask slots copied from the host at every step (``mask=host``)."""
+    return mx.array(cache._holes(n))
 
 
 def main():
@@ -76,11 +86,15 @@ def main():
     model, tok = load_target(args, args.dtype)
     default_compact = pbr.ragged_mod.COMPACT_HOLES
     default_pad = target_mod.PAD_TOKENS
+    device_holes = pbr.ragged_mod.RaggedKVCache._device_holes
     for name, opts in variants:
         os.environ["MLX_LM_SPEC_FLUSH"] = opts.get("flush", "auto")
         os.environ["MLX_LM_SPEC_ATTENTION"] = opts.get("attention", "auto")
         pbr.ragged_mod.COMPACT_HOLES = int(opts.get("compact", default_compact))
         target_mod.PAD_TOKENS = int(opts.get("pad", default_pad))
+        pbr.ragged_mod.RaggedKVCache._device_holes = (
+            host_holes if opts.get("mask") == "host" else device_holes
+        )
         print(f"\n# variant {name}", flush=True)
         for kind in kinds:
             for C in levels:

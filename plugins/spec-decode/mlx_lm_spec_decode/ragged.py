@@ -45,6 +45,7 @@ class RaggedKVCache(BatchKVCache):
     layers may share one array."""
 
     holes: Optional[np.ndarray] = None
+    _shown: Optional[Tuple[np.ndarray, mx.array]] = None  # (holes, its device copy)
 
     @classmethod
     def of(cls, cache: BatchKVCache) -> "RaggedKVCache":
@@ -67,7 +68,18 @@ class RaggedKVCache(BatchKVCache):
         mask = super().make_mask(N, return_array=return_array, **kwargs)
         if self.holes is None:
             return mask
-        return mask & mx.array(~self._holes(self._idx + N))[:, None, None, :]
+        return mask & ~self._device_holes(self._idx + N)[:, None, None, :]
+
+    def _device_holes(self, n: int) -> mx.array:
+        """``holes`` over the first ``n`` slots, on the device. Copied from the
+        host once per change of ``holes`` (a rollback, once a round), not per
+        step: the plain steps between rounds make their masks on the device,
+        as mlx-lm's own are made, padding the slots added since."""
+        if self._shown is None or self._shown[0] is not self.holes:
+            self._shown = (self.holes, mx.array(self.holes))
+        h = self._shown[1]
+        w = h.shape[1]
+        return h[:, :n] if w >= n else mx.pad(h, [(0, 0), (0, n - w)])
 
     def trim(self, n: int) -> int:
         n = super().trim(n)
