@@ -159,7 +159,7 @@ class Recorder:
                 why = rec.why or ("plain (in a run)" if in_run else "plain (decided)")
             rec.reasons[why] = rec.reasons.get(why, 0) + 1
             # Plain calls timed by why they were plain: which of them cost more than stock's.
-            rec.kinds.append((rec.kind if why == "round" else why, dt))
+            rec.kinds.append((rec.kind if why == "round" else why, dt, len(out)))
             return out
 
         def _decide(self_, B, drafts, ahead):
@@ -315,16 +315,19 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="",
     gen = batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft)
     rec = Recorder()
     s_rates, o_rates, stock_calls, ours_calls, same = [], [], [], [], True
+    emitted = {"stock plain step": 0, "ours every call": 0}  # tokens, by kind of call
     try:
         for _ in range(repeats):
             stock, calls = decode(BatchGenerator(model), prompts, max_tokens, inflight)
             stock_calls += calls
+            emitted["stock plain step"] += sum(len(t) for t in stock)
             s_rates.append(sum(len(t) for t in stock) / sum(calls))
             other = BatchGenerator(model) if control == "stock" else gen
             ours, our_calls = decode(other, prompts, max_tokens, inflight)
             o_rates.append(sum(len(t) for t in ours) / sum(our_calls))
             if other is gen:
                 ours_calls += our_calls
+                emitted["ours every call"] += sum(len(t) for t in ours)
             same = same and ours == stock
     finally:
         rec.restore()
@@ -334,14 +337,18 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="",
           f"same={'yes' if same else 'no'} (turns: {turns})")  # fmt: skip
     # Every call of each, as the caller's clock saw it (prompt processing included).
     by = {"stock plain step": stock_calls, "ours every call": ours_calls}
-    for kind, t in rec.kinds:
+    for kind, t, n in rec.kinds:
         by.setdefault("ours " + kind, []).append(t)
-    print("| call | n | median ms | p90 ms | max ms | total s | x sync forward of its width |\n"
-          "|---|---|---|---|---|---|---|")  # fmt: skip
+        emitted["ours " + kind] = emitted.get("ours " + kind, 0) + n
+    # tok/call: what a call returned (a plain step: one token a row; a
+    # round: each row's pending token and accepted drafts).
+    print("| call | n | tok/call | median ms | p90 ms | max ms | total s | x sync forward of its width |\n"
+          "|---|---|---|---|---|---|---|---|")  # fmt: skip
     for kind, ts in sorted(by.items()):
         W = int(kind.split("W=")[1]) if "W=" in kind else 1
         ref = sync_forward(model, prompts[0], C, W, 10)
-        print(f"| {kind} | {len(ts)} | {1e3 * statistics.median(ts):.2f} | "
+        print(f"| {kind} | {len(ts)} | {emitted[kind] / max(len(ts), 1):.2f} | "
+              f"{1e3 * statistics.median(ts):.2f} | "
               f"{1e3 * q(ts, 0.9):.2f} | {1e3 * max(ts):.1f} | {sum(ts):.2f} | "
               f"{statistics.median(ts) / ref:.2f} (sync {1e3 * ref:.2f}) |")  # fmt: skip
     print("calls: " + ", ".join(f"{k} {v}" for k, v in sorted(rec.reasons.items())))
