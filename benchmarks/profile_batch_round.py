@@ -75,7 +75,7 @@ def q(xs, p):
     return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
 
 
-def decode(gen, prompts, max_tokens, inflight=0):
+def decode(gen, prompts, max_tokens, inflight=0, parts=None):
     """Drive ``gen`` to the end: each request's tokens, and each decode call's seconds.
 
     ``inflight`` 0: every prompt at once, a static batch that ends with its
@@ -83,11 +83,20 @@ def decode(gen, prompts, max_tokens, inflight=0):
     that many requests at once, the next inserted as one finishes (a
     server's clients, each sending its next request when its last one
     ends): every call counts, prompt processing included, as a server's
-    clock does."""
+    clock does; ``parts`` gets mlx-lm's own split of the time (its
+    ``BatchStats``: decode steps, prompt processing, the rest)."""
     if not inflight:
         uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
         out, calls = _drive(gen, uids, lambda n: [], every=False)
         return [out[u] for u in uids], calls
+    with gen.stats() as stats:
+        out, calls = _queued(gen, prompts, max_tokens, inflight)
+    if parts is not None:
+        parts.append(stats)
+    return out, calls
+
+
+def _queued(gen, prompts, max_tokens, inflight):
     queue = list(range(len(prompts)))
     index = {}  # uid -> the prompt's position
 
@@ -211,6 +220,21 @@ class Recorder:
         batch_mod.read_back = self.read_back
 
 
+def print_parts(parts):
+    """Where each method's queued turns spent their time, by mlx-lm's own
+    counters: its decode steps (ours: plain steps and rounds), prompt
+    processing, and the rest of its calls (rows joining and leaving)."""
+    if not any(parts.values()):
+        return
+    print("| method | wall s | decode s | prompts s | rest s | steps |\n|---|---|---|---|---|---|")
+    for name, runs in parts.items():
+        wall, dec, pro = (
+            sum(getattr(r, k) for r in runs) for k in ("wall_time", "decode_time", "prompt_time")
+        )
+        steps = sum(r.generation_steps for r in runs)
+        print(f"| {name} | {wall:.2f} | {dec:.2f} | {pro:.2f} | {wall - dec - pro:.2f} | {steps} |")
+
+
 def sync_forward(model, prompt, B, W, repeats):
     """Median seconds of a forward over ``[B, W]`` on a prefilled cache, read back."""
     cache = make_prompt_cache(model)
@@ -315,15 +339,18 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="",
     gen = batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft)
     rec = Recorder()
     s_rates, o_rates, stock_calls, ours_calls, same = [], [], [], [], True
+    parts = {"stock": [], "ours": []}  # mlx-lm's split of each queued turn's time
     emitted = {"stock plain step": 0, "ours every call": 0}  # tokens, by kind of call
     try:
         for _ in range(repeats):
-            stock, calls = decode(BatchGenerator(model), prompts, max_tokens, inflight)
+            stock, calls = decode(
+                BatchGenerator(model), prompts, max_tokens, inflight, parts["stock"]
+            )
             stock_calls += calls
             emitted["stock plain step"] += sum(len(t) for t in stock)
             s_rates.append(sum(len(t) for t in stock) / sum(calls))
             other = BatchGenerator(model) if control == "stock" else gen
-            ours, our_calls = decode(other, prompts, max_tokens, inflight)
+            ours, our_calls = decode(other, prompts, max_tokens, inflight, parts["ours"])
             o_rates.append(sum(len(t) for t in ours) / sum(our_calls))
             if other is gen:
                 ours_calls += our_calls
@@ -352,6 +379,7 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="",
               f"{1e3 * q(ts, 0.9):.2f} | {1e3 * max(ts):.1f} | {sum(ts):.2f} | "
               f"{statistics.median(ts) / ref:.2f} (sync {1e3 * ref:.2f}) |")  # fmt: skip
     print("calls: " + ", ".join(f"{k} {v}" for k, v in sorted(rec.reasons.items())))
+    print_parts(parts)
     if rec.phases["forward"]:
         print("| round phase | median ms | p90 ms |\n|---|---|---|")
         for name, ts in rec.phases.items():

@@ -122,15 +122,11 @@ class SpecState:
         self.gamma_start = self.ctl.gamma
         self.stats: Dict[int, stats_mod.SpecStats] = {}
         self.no_draft: Optional[str] = None  # why the whole batch decodes plainly
-        self._trees: Optional[bool] = None if tree_mod.drafts_trees(drafter) else False
-
-    @property
-    def trees(self) -> bool:
-        """Whether rows draft trees: the drafter proposes them and the model's
-        batched forward takes them (checked on first use)."""
-        if self._trees is None:
-            self._trees = batch_tree.tree_ok(self.model)
-        return self._trees
+        # Whether rows draft trees: the drafter proposes them and the model's
+        # batched forward takes them. Checked here, when the server builds its
+        # generator, not in a request's first drafting decision (a few forwards,
+        # once per loaded model).
+        self.trees = tree_mod.drafts_trees(drafter) and batch_tree.tree_ok(model)
 
     def begin(self, uid: int) -> None:
         st = stats_mod.SpecStats(
@@ -344,7 +340,7 @@ class SpecGenerationBatch(GenerationBatch):
             for row in self.rows:
                 row.stats.fallback = spec.no_draft
             return self._plain()
-        use_trees = spec.trees  # the model's check runs once, before any round is timed
+        use_trees = spec.trees
         # Behind a plain step the pending tokens are still being computed:
         # the decision drafts from the tokens emitted so far and reads
         # nothing back, so a declined one leaves mlx-lm's pipeline running.
