@@ -37,7 +37,9 @@ batch whose step costs about as much on a memory-bound device, so it
 gains only what its least-drafted row gains; a server's freed slots take
 new requests and it gains what its rows gain on average. ``--control stock`` puts stock in ours' place (what the
 machine's drift alone reads), ``--control silent`` our generator with a
-drafter that never proposes (its cost where nothing is drafted).
+drafter that never proposes (its cost where nothing is drafted),
+``--control bare`` our generator with drafting off for the whole batch
+(the subclass's own cost: mlx-lm's steps through our plumbing).
 ``--probe 1,4,8``: no decoding; forwards of those widths as a round runs
 them (warm, through the round's holey cache, right after a plain step,
 widths in turn).
@@ -89,9 +91,14 @@ def decode(gen, prompts, max_tokens, inflight=0, parts=None):
         uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
         out, calls = _drive(gen, uids, lambda n: [], every=False)
         return [out[u] for u in uids], calls
+    host = time.thread_time()
     with gen.stats() as stats:
         out, calls = _queued(gen, prompts, max_tokens, inflight)
     if parts is not None:
+        # The calling thread's CPU seconds: what the host spent building and
+        # launching work (and the caller's bookkeeping), not its waits.
+        stats.host_time = time.thread_time() - host
+        stats.calls = len(calls)
         parts.append(stats)
     return out, calls
 
@@ -223,16 +230,20 @@ class Recorder:
 def print_parts(parts):
     """Where each method's queued turns spent their time, by mlx-lm's own
     counters: its decode steps (ours: plain steps and rounds), prompt
-    processing, and the rest of its calls (rows joining and leaving)."""
+    processing, and the rest of its calls (rows joining and leaving); and
+    the calling thread's CPU time per call (host work, waits excluded)."""
     if not any(parts.values()):
         return
-    print("| method | wall s | decode s | prompts s | rest s | steps |\n|---|---|---|---|---|---|")
+    print("| method | wall s | decode s | prompts s | rest s | steps | host ms/call |\n"
+          "|---|---|---|---|---|---|---|")  # fmt: skip
     for name, runs in parts.items():
-        wall, dec, pro = (
-            sum(getattr(r, k) for r in runs) for k in ("wall_time", "decode_time", "prompt_time")
+        wall, dec, pro, host = (
+            sum(getattr(r, k) for r in runs)
+            for k in ("wall_time", "decode_time", "prompt_time", "host_time")
         )
-        steps = sum(r.generation_steps for r in runs)
-        print(f"| {name} | {wall:.2f} | {dec:.2f} | {pro:.2f} | {wall - dec - pro:.2f} | {steps} |")
+        steps, calls = sum(r.generation_steps for r in runs), sum(r.calls for r in runs)
+        print(f"| {name} | {wall:.2f} | {dec:.2f} | {pro:.2f} | {wall - dec - pro:.2f} | "
+              f"{steps} | {1e3 * host / max(calls, 1):.2f} |")  # fmt: skip
 
 
 def sync_forward(model, prompt, B, W, repeats):
@@ -337,6 +348,8 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="",
     drafter = Silent(tree=tree) if control == "silent" else NGramDrafter(tree=tree)
     decode(batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft), prompts[:C], 32)
     gen = batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft)
+    if control == "bare":
+        gen.spec.no_draft = "--control bare"
     rec = Recorder()
     s_rates, o_rates, stock_calls, ours_calls, same = [], [], [], [], True
     parts = {"stock": [], "ours": []}  # mlx-lm's split of each queued turn's time
@@ -395,10 +408,11 @@ def main():
     ap.add_argument("--kinds", default="grounded", help="grounded and/or open prompts")
     ap.add_argument(
         "--control",
-        choices=["stock", "silent"],
+        choices=["stock", "silent", "bare"],
         default="",
-        help="a control run in ours' place: stock again (the order's effect), or our "
-        "generator with a drafter that never proposes (its cost without drafts)",
+        help="a control run in ours' place: stock again (the order's effect), our "
+        "generator with a drafter that never proposes (its cost without drafts), or "
+        "our generator with drafting off (its plumbing's cost)",
     )
     ap.add_argument("--repeats", type=int, default=1, help="turns of stock and ours per cell")
     ap.add_argument(
