@@ -31,7 +31,10 @@ generator, as a server keeps one); the ratio is the medians', each turn's
 in brackets. ``--queue K``: a busy server instead of one batch: each of C
 clients sends K requests one after another (the pool in turn), a finished
 row's slot taken by the next request, and every call timed, prompt
-processing included. One batch of C prompts (the default) ends with its
+processing included; ``--vary-tokens F`` gives each request its own
+budget (seeded, ``--max-tokens`` x (1 ± F)), so that rows end apart as a
+server's requests do: with one budget for all, stock's rows end, and new
+ones join, together. One batch of C prompts (the default) ends with its
 slowest row: rows that finish early leave the rest decoding in a smaller
 batch whose step costs about as much on a memory-bound device, so it
 gains only what its least-drafted row gains; a server's freed slots take
@@ -46,6 +49,7 @@ widths in turn).
 """
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -104,6 +108,7 @@ def decode(gen, prompts, max_tokens, inflight=0, parts=None):
 
 
 def _queued(gen, prompts, max_tokens, inflight):
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     queue = list(range(len(prompts)))
     index = {}  # uid -> the prompt's position
 
@@ -111,7 +116,7 @@ def _queued(gen, prompts, max_tokens, inflight):
         take, queue[:n] = queue[:n], []
         if not take:
             return []
-        uids = gen.insert([prompts[i] for i in take], max_tokens=[max_tokens] * len(take))
+        uids = gen.insert([prompts[i] for i in take], max_tokens=[budgets[i] for i in take])
         index.update(zip(uids, take, strict=True))
         return uids
 
@@ -331,7 +336,19 @@ class Silent(NGramDrafter):
         return [], None
 
 
-def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="", queue=0):
+def budgets(n, max_tokens, vary):
+    """Each of ``n`` queued requests' token budget: ``max_tokens``, or with
+    ``vary`` > 0 drawn (seeded, the same for stock and ours) from
+    ``max_tokens * (1 ± vary)``, so that rows end apart as a server's
+    requests do, not all at once."""
+    if not vary:
+        return max_tokens
+    rng = random.Random(0)
+    lo, hi = max(1, round(max_tokens * (1 - vary))), round(max_tokens * (1 + vary))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="", queue=0, vary=0.0):
     """Stock and ours in turn, ``repeats`` times (ours on one generator, as a
     server keeps one: what its controller learnt carries over); the ratio of
     the medians, and each turn's. ``queue``: each of C clients sends that
@@ -344,6 +361,7 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="",
         for p in chats
     ]
     inflight = C if queue else 0
+    max_tokens = budgets(len(prompts), max_tokens, vary if queue else 0.0)
     decode(BatchGenerator(model), prompts[:C], 8)  # warm up
     drafter = Silent(tree=tree) if control == "silent" else NGramDrafter(tree=tree)
     decode(batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft), prompts[:C], 32)
@@ -425,6 +443,15 @@ def main():
         "included); 0: C prompts decode as one batch, which ends with its slowest row",
     )
     ap.add_argument(
+        "--vary-tokens",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="with --queue: each request's max tokens drawn (seeded) from "
+        "--max-tokens x (1 ± F), so that rows end apart as a server's requests do "
+        "(0: every request the same, so stock's rows end and are refilled together)",
+    )
+    ap.add_argument(
         "--compact-holes",
         type=int,
         default=None,
@@ -469,6 +496,7 @@ def main():
                 args.repeats,
                 args.control,
                 args.queue,
+                args.vary_tokens,
             )
 
 

@@ -74,6 +74,13 @@ def main():
         metavar="K",
         help="each of C clients sends K requests in turn (profile_batch_round.py --queue)",
     )
+    ap.add_argument(
+        "--vary-tokens",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="per-request budgets (profile_batch_round.py --vary-tokens)",
+    )
     add_target_args(ap)
     args = ap.parse_args()
     levels, kinds = batch_levels(ap, args)
@@ -98,7 +105,17 @@ def main():
         print(f"\n# variant {name}", flush=True)
         for kind in kinds:
             for C in levels:
-                pbr.run(model, tok, C, args.max_tokens, True, kind, args.repeats, queue=args.queue)
+                pbr.run(
+                    model,
+                    tok,
+                    C,
+                    args.max_tokens,
+                    True,
+                    kind,
+                    args.repeats,
+                    queue=args.queue,
+                    vary=args.vary_tokens,
+                )
                 sys.stdout.flush()
 
 
