@@ -90,20 +90,22 @@ def decode(gen, prompts, max_tokens, inflight=0, parts=None):
     server's clients, each sending its next request when its last one
     ends): every call counts, prompt processing included, as a server's
     clock does; ``parts`` gets mlx-lm's own split of the time (its
-    ``BatchStats``: decode steps, prompt processing, the rest)."""
+    ``BatchStats``: decode steps, prompt processing, the rest; ``gen``
+    then needs mlx-lm's ``stats()``)."""
     if not inflight:
         uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
         out, calls = _drive(gen, uids, lambda n: [], every=False)
         return [out[u] for u in uids], calls
+    if parts is None:
+        return _queued(gen, prompts, max_tokens, inflight)
     host = time.thread_time()
     with gen.stats() as stats:
         out, calls = _queued(gen, prompts, max_tokens, inflight)
-    if parts is not None:
-        # The calling thread's CPU seconds: what the host spent building and
-        # launching work (and the caller's bookkeeping), not its waits.
-        stats.host_time = time.thread_time() - host
-        stats.calls = len(calls)
-        parts.append(stats)
+    # The calling thread's CPU seconds: what the host spent building and
+    # launching work (and the caller's bookkeeping), not its waits.
+    stats.host_time = time.thread_time() - host
+    stats.calls = len(calls)
+    parts.append(stats)
     return out, calls
 
 

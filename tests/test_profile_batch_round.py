@@ -1,5 +1,6 @@
 """profile_batch_round.decode: one batch, or a busy server's queue of requests."""
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -71,3 +72,31 @@ def test_a_queue_keeps_at_most_inflight_rows_and_refills_their_slots(pbr):
     # Each slot refilled in the call after its row finished: the last
     # request starts once two rows finished at call 5, and ends at call 7.
     assert gen.calls == 7
+
+
+def test_varied_budgets_are_seeded_spread_and_each_request_keeps_its_own(pbr):
+    budgets = pbr.budgets(6, 10, 0.5)
+    assert budgets == pbr.budgets(6, 10, 0.5)  # stock and ours get the same
+    assert all(5 <= b <= 15 for b in budgets) and len(set(budgets)) > 1
+    assert pbr.budgets(6, 10, 0.0) == 10
+    gen = Counting({0: 99, 1: 99, 2: 99})
+    prompts = [[0], [1], [2], [0], [1], [2]]
+    tokens, _ = pbr.decode(gen, prompts, max_tokens=budgets, inflight=2)
+    assert [len(t) for t in tokens] == budgets
+
+
+class Timed(Counting):
+    """``Counting`` with mlx-lm's ``stats()``: the calls it answered in the block."""
+
+    @contextlib.contextmanager
+    def stats(self):
+        out, start = SimpleNamespace(), self.calls
+        yield out
+        out.generation_steps = self.calls - start
+
+
+def test_a_queue_reports_its_split_where_asked(pbr):
+    gen, parts = Timed({0: 2, 1: 3}), []
+    _, calls = pbr.decode(gen, [[0], [1], [0]], max_tokens=10, inflight=2, parts=parts)
+    assert len(parts) == 1 and parts[0].generation_steps == gen.calls == len(calls)
+    assert parts[0].calls == len(calls) and parts[0].host_time >= 0
