@@ -618,7 +618,8 @@ class SpecBatchGenerator(BatchGenerator):
 
     def __init__(self, model: Any, drafter: Any, gamma: int, gmax: int, **kwargs: Any):
         super().__init__(model, **kwargs)
-        self.spec = SpecState(model, drafter, gamma, gmax)
+        with mx.stream(self.stream):  # its tree check runs forwards, as steps do
+            self.spec = SpecState(model, drafter, gamma, gmax)
         self._generation_batch = SpecGenerationBatch.empty(self.model, self.sampler)
         self._generation_batch.spec = self.spec
 

@@ -3,10 +3,12 @@ equals chain forwards over each row's paths, greedy rows whose accepted
 path runs through a second branch stay token-identical to the stock batched
 server with equal caches, and sampled rows still follow the target."""
 
+import threading
 from collections import Counter
 
 import mlx.core as mx
 import pytest
+from mlx_lm import load
 from mlx_lm.sample_utils import apply_top_k, make_logits_processors, make_sampler
 from test_batch import assert_same, closed_stats, drive, greedy_case, llama  # noqa: F401
 from test_sampling import TEMP, chi2, chi2_critical, target_probs
@@ -123,3 +125,21 @@ def test_sampled_tree_rows_match_the_target_distribution(llama):  # noqa: F811
                 want[t2] += q1 * q2
         stat, df = chi2(seconds[row], dict(want), N)
         assert stat < chi2_critical(df), (row, stat, df)
+
+
+def test_the_tree_check_runs_where_the_server_builds_its_generator(tiny_model):
+    """mlx_lm.server builds its generator in its own thread, on its own
+    stream: the model's check runs there when the generator is built, and
+    finds what it finds on the main thread."""
+    model, _ = load(str(tiny_model("llama")))  # a model no check has seen
+    built = {}
+
+    def build():
+        stream = mx.default_stream(mx.default_device())  # as the server's thread takes it
+        built["gen"] = SpecBatchGenerator(model, NGramDrafter(tree=True), 3, 8, stream=stream)
+
+    worker = threading.Thread(target=build)
+    worker.start()
+    worker.join()
+    assert built["gen"].spec.trees is True
+    assert SpecBatchGenerator(model, NGramDrafter(tree=False), 3, 8).spec.trees is False
