@@ -26,8 +26,9 @@ Printed per C:
   evaluated, argmax read back) at each width the rounds used, and the
   rounds' median over it (the issue's "a round costs one forward").
 
-``--repeats N``: stock and ours decode in turn N times (ours on one
-generator, as a server keeps one); the ratio is the medians', each turn's
+``--repeats N``: stock and ours decode in turn N times, each on one
+generator as a server keeps one, the turns alternating which goes first
+(give an even N); the ratio is the medians', each turn's
 in brackets. ``--queue K``: a busy server instead of one batch: each of C
 clients sends K requests one after another (the pool in turn), a finished
 row's slot taken by the next request, and every call timed, prompt
@@ -380,14 +381,20 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="",
     s_rates, o_rates, stock_calls, ours_calls, same = [], [], [], [], True
     parts = {"stock": [], "ours": []}  # mlx-lm's split of each queued turn's time
     emitted = {"stock plain step": 0, "ours every call": 0}  # tokens, by kind of call
+    other = twin or gen
     try:
-        for _ in range(repeats):
-            stock, calls = decode(base, prompts, max_tokens, inflight, parts["stock"])
+        for r in range(repeats):
+            # Turns alternate which goes first: on the H100 the second of two
+            # identical stock generators read 1.04-1.06x of the first.
+            order = ("stock", "ours") if r % 2 == 0 else ("ours", "stock")
+            out = {}
+            for name in order:
+                g = base if name == "stock" else other
+                out[name] = decode(g, prompts, max_tokens, inflight, parts[name])
+            (stock, calls), (ours, our_calls) = out["stock"], out["ours"]
             stock_calls += calls
             emitted["stock plain step"] += sum(len(t) for t in stock)
             s_rates.append(sum(len(t) for t in stock) / sum(calls))
-            other = twin or gen
-            ours, our_calls = decode(other, prompts, max_tokens, inflight, parts["ours"])
             o_rates.append(sum(len(t) for t in ours) / sum(our_calls))
             if other is gen:
                 ours_calls += our_calls
@@ -409,6 +416,8 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="",
     print("| call | n | tok/call | median ms | p90 ms | max ms | total s | x sync forward of its width |\n"
           "|---|---|---|---|---|---|---|---|")  # fmt: skip
     for kind, ts in sorted(by.items()):
+        if not ts:  # --control stock: no call of ours
+            continue
         W = int(kind.split("W=")[1]) if "W=" in kind else 1
         ref = sync_forward(model, prompts[0], C, W, 10)
         print(f"| {kind} | {len(ts)} | {emitted[kind] / max(len(ts), 1):.2f} | "
