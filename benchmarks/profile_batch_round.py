@@ -99,18 +99,21 @@ def decode(gen, prompts, max_tokens, inflight=0, parts=None):
         return [out[u] for u in uids], calls
     if parts is None:
         return _queued(gen, prompts, max_tokens, inflight)
-    host = time.thread_time()
+    host, window = time.thread_time(), []
     with gen.stats() as stats:
-        out, calls = _queued(gen, prompts, max_tokens, inflight)
+        out, calls = _queued(gen, prompts, max_tokens, inflight, window)
     # The calling thread's CPU seconds: what the host spent building and
     # launching work (and the caller's bookkeeping), not its waits.
     stats.host_time = time.thread_time() - host
     stats.calls = len(calls)
+    # The busy server's steady state: the calls made while requests still
+    # waited for a slot (every slot taken), their seconds and tokens.
+    stats.steady = (sum(dt for dt, _ in window), sum(n for _, n in window), len(window))
     parts.append(stats)
     return out, calls
 
 
-def _queued(gen, prompts, max_tokens, inflight):
+def _queued(gen, prompts, max_tokens, inflight, window=None):
     budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     queue = list(range(len(prompts)))
     index = {}  # uid -> the prompt's position
@@ -123,22 +126,26 @@ def _queued(gen, prompts, max_tokens, inflight):
         index.update(zip(uids, take, strict=True))
         return uids
 
-    out, calls = _drive(gen, admit(inflight), admit, every=True)
+    out, calls = _drive(gen, admit(inflight), admit, True, lambda: bool(queue), window)
     by_prompt = {index[u]: t for u, t in out.items()}
     return [by_prompt[i] for i in range(len(prompts))], calls
 
 
-def _drive(gen, uids, admit, every):
+def _drive(gen, uids, admit, every, waiting=None, window=None):
     """Call ``gen`` until every request, including those ``admit(n)`` adds as
     ``n`` finish, is done; the seconds of ``every`` call, or of those that
-    emit no row's first token."""
+    emit no row's first token. ``window`` gets ``(seconds, tokens)`` of each
+    call made while ``waiting()``: requests still queued for a slot."""
     out, left, calls = {u: [] for u in uids}, len(uids), []
     while left:
+        busy = window is not None and waiting()
         t = time.perf_counter()
         _, responses = gen.next()
         dt = time.perf_counter() - t
         if every or (responses and all(out[r.uid] for r in responses)):
             calls.append(dt)
+        if busy:
+            window.append((dt, len(responses)))
         finished = 0
         for r in responses:
             out[r.uid].append(r.token)
@@ -233,6 +240,22 @@ class Recorder:
         for n, f in self.saved.items():
             setattr(batch_mod.SpecGenerationBatch, n, f)
         batch_mod.read_back = self.read_back
+
+
+def print_steady(parts):
+    """The busy server's steady state (``--queue``): tokens/s over the calls
+    made while requests still waited for a slot. The rest of a queued run is
+    its drain, rows leaving one by one with none to take their slots: a
+    row left alone decodes at a full step's cost, which a server with
+    waiting requests never pays, and rows that draft well leave early."""
+    if not parts["stock"] or not all(hasattr(r, "steady") for r in parts["stock"]):
+        return
+    rates = {k: [r.steady[1] / max(r.steady[0], 1e-9) for r in v] for k, v in parts.items()}
+    s, o = statistics.median(rates["stock"]), statistics.median(rates["ours"])
+    turns = ", ".join(f"{b / a:.2f}x" for a, b in zip(rates["stock"], rates["ours"], strict=True))
+    n = sum(r.steady[2] for r in parts["ours"]) / sum(r.calls for r in parts["ours"])
+    print(f"steady state (requests waiting, {n:.0%} of ours' calls): stock {s:.1f} tok/s, "
+          f"ours {o:.1f} tok/s, {o / s:.2f}x (turns: {turns})")  # fmt: skip
 
 
 def print_parts(parts):
@@ -406,6 +429,7 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="",
     turns = ", ".join(f"{o / s:.2f}x" for s, o in zip(s_rates, o_rates, strict=True))
     print(f"\n## {kind} C={C}: stock {s_tps:.1f} tok/s, ours {o_tps:.1f} tok/s, {o_tps / s_tps:.2f}x, "
           f"same={'yes' if same else 'no'} (turns: {turns})")  # fmt: skip
+    print_steady(parts)
     # Every call of each, as the caller's clock saw it (prompt processing included).
     by = {"stock plain step": stock_calls, "ours every call": ours_calls}
     for kind, t, n in rec.kinds:

@@ -100,3 +100,12 @@ def test_a_queue_reports_its_split_where_asked(pbr):
     _, calls = pbr.decode(gen, [[0], [1], [0]], max_tokens=10, inflight=2, parts=parts)
     assert len(parts) == 1 and parts[0].generation_steps == gen.calls == len(calls)
     assert parts[0].calls == len(calls) and parts[0].host_time >= 0
+
+
+def test_the_steady_state_counts_the_calls_made_while_requests_wait(pbr):
+    # Two slots, three requests: calls 1-2 run while request 2 waits (it
+    # takes request 0's slot after call 2); calls 3-4 are the drain.
+    gen, parts = Timed({0: 2, 1: 4, 2: 2}), []
+    pbr.decode(gen, [[0], [1], [2]], max_tokens=10, inflight=2, parts=parts)
+    seconds, tokens, calls = parts[0].steady
+    assert (tokens, calls) == (4, 2) and gen.calls == 4 and seconds >= 0
