@@ -46,7 +46,8 @@ drafter that never proposes (its cost where nothing is drafted),
 (the subclass's own cost: mlx-lm's steps through our plumbing).
 ``--probe 1,4,8``: no decoding; forwards of those widths as a round runs
 them (warm, through the round's holey cache, right after a plain step,
-widths in turn).
+widths in turn), and the host's share of a warm one (its graph built and
+launched, not waited for).
 """
 
 import argparse
@@ -341,6 +342,7 @@ def probe(model, prompt, B, widths, repeats=10):
                     step(caches)
                 ts.append(fwd(caches, W))
             rows.setdefault(name, {})[W] = statistics.median(ts[2:])
+    rows["host: build and launch"] = host_share(model, fresh(False), prompt, B, widths, repeats)
     caches = fresh(False)
     mixed = {W: [] for W in widths}
     for _ in range(repeats + 1):
@@ -353,6 +355,29 @@ def probe(model, prompt, B, widths, repeats=10):
     print("|---|" + "---|" * len(widths))
     for name, by in rows.items():
         print(f"| {name} | " + " | ".join(f"{1e3 * by[W]:.2f}" for W in widths) + " |")
+
+
+def host_share(model, caches, prompt, B, widths, repeats):
+    """Per width, the median seconds the host takes to build a ``[B, W]``
+    forward's graph and hand it to the device (``mx.async_eval`` returned),
+    before waiting for it: where this nears the ``warm`` forward, the step is
+    bound by the host (graph building, kernel launches), not by the device's
+    memory traffic, and a pipelined step cannot beat it. (On the CPU the
+    device is the host's own cores: there it reads near the forward.)"""
+    out = {}
+    for W in widths:
+        x = mx.array([[prompt[-1]] * W] * B, mx.uint32)
+        ts = []
+        for _ in range(repeats + 2):
+            t = time.perf_counter()
+            y = mx.argmax(model(x, cache=caches), axis=-1)
+            mx.async_eval(y)
+            ts.append(time.perf_counter() - t)
+            mx.eval(y)
+            for c in caches:
+                c.trim(W)
+        out[W] = statistics.median(ts[2:])
+    return out
 
 
 class Silent(NGramDrafter):
