@@ -249,7 +249,7 @@ def print_steady(parts):
     its drain, rows leaving one by one with none to take their slots: a
     row left alone decodes at a full step's cost, which a server with
     waiting requests never pays, and rows that draft well leave early."""
-    if not parts["stock"] or not all(hasattr(r, "steady") for r in parts["stock"]):
+    if not parts["stock"]:  # one batch, no queue
         return
     rates = {k: [r.steady[1] / max(r.steady[0], 1e-9) for r in v] for k, v in parts.items()}
     s, o = statistics.median(rates["stock"]), statistics.median(rates["ours"])
@@ -297,8 +297,14 @@ def probe(model, prompt, B, widths, repeats=10):
     per width W, the median ms of a ``[B, W]`` forward read back (``warm``: the
     same shape again and again on a batch cache; ``ragged``: through the
     round's cache with holes and its attention; ``after step``: each right
-    after a ``[B, 1]`` step, as rounds follow plain steps; ``mixed``: the
-    widths in turn, each after a step, as an adaptive draft length runs)."""
+    after a ``[B, 1]`` step, as rounds follow plain steps; ``host: build and
+    launch``: a warm one's graph built and handed to the device
+    (``mx.async_eval`` returned), not waited for: where this nears ``warm``,
+    the step is bound by the host (graph building, kernel launches), not by
+    the device's memory traffic, and a pipelined step cannot beat it; on the
+    CPU the device is the host's own cores and it reads near the forward;
+    ``mixed``: the widths in turn, each after a step, as an adaptive draft
+    length runs)."""
     from mlx_lm.models.cache import BatchKVCache
 
     from mlx_lm_spec_decode import target as target_mod
@@ -314,12 +320,18 @@ def probe(model, prompt, B, widths, repeats=10):
         ragged_mod.rollback(caches, [1 + (i % 3) for i in range(B)])
         return caches
 
-    def fwd(caches, W, policy=None):
+    def fwd(caches, W, policy=None, launch=False):
         x = mx.array([[prompt[-1]] * W] * B, mx.uint32)
         t = time.perf_counter()
         with target_mod.verify_attention(model, W, policy or "explicit"):
-            mx.argmax(model(x, cache=caches), axis=-1).tolist()
-        dt = time.perf_counter() - t
+            y = mx.argmax(model(x, cache=caches), axis=-1)
+        if launch:  # the host's part only: built and handed over
+            mx.async_eval(y)
+            dt = time.perf_counter() - t
+            mx.eval(y)
+        else:
+            y.tolist()
+            dt = time.perf_counter() - t
         for c in caches:
             c.trim(W)
         return dt
@@ -328,11 +340,12 @@ def probe(model, prompt, B, widths, repeats=10):
         fwd(caches, 1)
 
     rows = {}
-    for name, holes, before in (
-        ("warm", False, False),
-        ("ragged", True, False),
-        ("after step", False, True),
-        ("ragged after step", True, True),
+    for name, holes, before, launch in (
+        ("warm", False, False, False),
+        ("ragged", True, False, False),
+        ("after step", False, True, False),
+        ("ragged after step", True, True, False),
+        ("host: build and launch", False, False, True),
     ):
         for W in widths:
             caches = fresh(holes)
@@ -340,9 +353,8 @@ def probe(model, prompt, B, widths, repeats=10):
             for _ in range(repeats + 2):
                 if before:
                     step(caches)
-                ts.append(fwd(caches, W))
+                ts.append(fwd(caches, W, launch=launch))
             rows.setdefault(name, {})[W] = statistics.median(ts[2:])
-    rows["host: build and launch"] = host_share(model, fresh(False), prompt, B, widths, repeats)
     caches = fresh(False)
     mixed = {W: [] for W in widths}
     for _ in range(repeats + 1):
@@ -355,29 +367,6 @@ def probe(model, prompt, B, widths, repeats=10):
     print("|---|" + "---|" * len(widths))
     for name, by in rows.items():
         print(f"| {name} | " + " | ".join(f"{1e3 * by[W]:.2f}" for W in widths) + " |")
-
-
-def host_share(model, caches, prompt, B, widths, repeats):
-    """Per width, the median seconds the host takes to build a ``[B, W]``
-    forward's graph and hand it to the device (``mx.async_eval`` returned),
-    before waiting for it: where this nears the ``warm`` forward, the step is
-    bound by the host (graph building, kernel launches), not by the device's
-    memory traffic, and a pipelined step cannot beat it. (On the CPU the
-    device is the host's own cores: there it reads near the forward.)"""
-    out = {}
-    for W in widths:
-        x = mx.array([[prompt[-1]] * W] * B, mx.uint32)
-        ts = []
-        for _ in range(repeats + 2):
-            t = time.perf_counter()
-            y = mx.argmax(model(x, cache=caches), axis=-1)
-            mx.async_eval(y)
-            ts.append(time.perf_counter() - t)
-            mx.eval(y)
-            for c in caches:
-                c.trim(W)
-        out[W] = statistics.median(ts[2:])
-    return out
 
 
 class Silent(NGramDrafter):
