@@ -301,8 +301,9 @@ def probe(model, prompt, B, widths, repeats=10):
     launch``: a warm one's graph built and handed to the device
     (``mx.async_eval`` returned), not waited for: where this nears ``warm``,
     the step is bound by the host (graph building, kernel launches), not by
-    the device's memory traffic, and a pipelined step cannot beat it; on the
-    CPU the device is the host's own cores and it reads near the forward;
+    the device's memory traffic, and a pipelined step cannot beat it (``ragged
+    host``: the same through the round's cache with holes); on the CPU the
+    device is the host's own cores and it reads near the forward;
     ``mixed``: the widths in turn, each after a step, as an adaptive draft
     length runs)."""
     from mlx_lm.models.cache import BatchKVCache
@@ -346,6 +347,7 @@ def probe(model, prompt, B, widths, repeats=10):
         ("after step", False, True, False),
         ("ragged after step", True, True, False),
         ("host: build and launch", False, False, True),
+        ("ragged host: build and launch", True, False, True),
     ):
         for W in widths:
             caches = fresh(holes)
