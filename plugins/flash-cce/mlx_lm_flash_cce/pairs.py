@@ -12,12 +12,14 @@ Responses are cut to fit; a row whose prompt alone leaves no room is dropped.
 Both are counted and logged per file, never done silently.
 
 Batches go by pairs: ``(prompts [B, P], prompt_lens [B], responses [2B, R],
-response_lens [2B], refs [B, 2])``, the B chosen responses then the B
+response_lens [2B], refs)``, the B chosen responses then the B
 rejected ones, right-padded (``padded``: to a multiple of 8 up to 128
 tokens, then of an eighth of the length's power of two, so at most 1/8
-padding and few distinct shapes for the compiled step); ``refs`` holds the
-reference log-probs (zeros until computed, and for the objectives that use
-none).
+padding and few distinct shapes for the compiled step). ``refs`` is
+``[B, 2]``, the reference log-probs, where every pair of the batch has
+them, else ``[B, 3]``: zeros and each pair's ``index`` (a step that
+computes them hands them back by it; the shapes differ, so the compiled
+step traces each case apart).
 
 A row may also carry ``system`` (a string): the system message in front of
 a prompt of messages, or, with ``--apply-chat-template``, of a string prompt
@@ -28,7 +30,7 @@ assistant's), as TRL does for conversational data.
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -45,11 +47,12 @@ PAD_MIN = 8
 class Pair:
     """One tokenized preference pair; ``ref`` is DPO's ``(chosen, rejected)`` reference."""
 
-    __slots__ = ("prompt", "chosen", "rejected", "ref")
+    __slots__ = ("prompt", "chosen", "rejected", "ref", "index")
 
     def __init__(self, prompt: List[int], chosen: List[int], rejected: List[int]):
         self.prompt, self.chosen, self.rejected = prompt, chosen, rejected
         self.ref: Optional[Tuple[float, float]] = None
+        self.index = -1  # its number among the run's pairs (``preference.keep_reference``)
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.chosen) + len(self.rejected)
@@ -296,32 +299,6 @@ def read_by(args: Any, sets: Sequence[PairDataset]) -> List[PairDataset]:
     return out
 
 
-def reads(args: Any, sets: Sequence[PairDataset]) -> int:
-    """How many pairs the run's forwards read from ``sets`` (``read_by``'s): each
-    of ``--iters`` steps a batch, each validation (mlx-lm's: at the first step,
-    every ``--steps-per-eval`` and the last) and ``--test`` theirs, in full
-    batches as mlx-lm's ``evaluate`` takes them."""
-    size = max(int(getattr(args, "batch_size", 4)), 1)
-    iters = max(int(getattr(args, "iters", 1000)), 0)
-    every = max(int(getattr(args, "steps_per_eval", 200)), 1)
-
-    def batches(data, limit):
-        full = len(data) // size
-        return size * (full if limit == -1 else min(limit, full))
-
-    total = 0
-    for data in sets:
-        split = data.name.split(".")[0]
-        if split == "train":
-            total += iters * size
-        elif split == "valid":
-            evals = len({1, iters} | set(range(every, iters + 1, every))) if iters else 0
-            total += evals * batches(data, getattr(args, "val_batches", 25))
-        else:
-            total += batches(data, getattr(args, "test_batches", 500))
-    return total
-
-
 def padded(n: int) -> int:
     """``n`` rounded up to a multiple of ``max(PAD_MIN, 2**floor(log2 n) / 8)``."""
     step = max(PAD_MIN, (1 << max(n.bit_length() - 1, 0)) >> 3)
@@ -340,7 +317,10 @@ def collate(pairs: Sequence[Pair]) -> Tuple[mx.array, ...]:
         prompts[i, : len(x.prompt)] = x.prompt
     for i, x in enumerate(responses):
         resp[i, : len(x)] = x
-    refs = np.array([x.ref if x.ref is not None else (0.0, 0.0) for x in pairs], np.float32)
+    if all(x.ref is not None for x in pairs):
+        refs = np.array([x.ref for x in pairs], np.float32)
+    else:
+        refs = np.array([(0.0, 0.0, x.index) for x in pairs], np.float32)
     return (
         mx.array(prompts),
         mx.array([len(x.prompt) for x in pairs], mx.int32),
@@ -357,10 +337,13 @@ def iterate_batches(
     loop: bool = False,
     seed: Optional[int] = None,
     comm_group: Any = None,
+    harvest: Optional[Callable[[], Any]] = None,
 ) -> Iterator[Tuple[mx.array, ...]]:
     """mlx-lm's ``iterate_batches`` for pairs: sorted by length, shuffled batches,
     a rank's share of each batch under data parallelism. Lengths were fitted
-    to ``max_seq_length`` when the rows were loaded."""
+    to ``max_seq_length`` when the rows were loaded. ``harvest()`` runs before
+    each batch is made: the last step's reference log-probs reach their pairs
+    (``preference.keep_reference``), so a batch read again carries them."""
     if len(dataset) < batch_size:
         raise ValueError(
             f"Dataset must have at least batch_size={batch_size} pairs but only has {len(dataset)}."
@@ -377,6 +360,8 @@ def iterate_batches(
         np.random.seed(seed)
     while True:
         for i in np.random.permutation(len(batches)):
+            if harvest is not None:
+                harvest()
             yield collate([dataset[j] for j in batches[i]])
         if not loop:
             break

@@ -282,7 +282,7 @@ def make_loss(name: str, model: Any, args: argparse.Namespace, options: Any) -> 
 
 
 def _preference_loss(name, model, args, pref, cce):
-    from . import pairs, preference
+    from . import preference
 
     reference_model = None
     if name in REFERENCE and pref["reference_model"] is not None:
@@ -303,9 +303,9 @@ def _preference_loss(name, model, args, pref, cce):
         batch_size=args.batch_size,
         share_prompt=not getattr(args, "grad_checkpoint", False),
         reference_model=reference_model,
-        reads=pairs.reads(args, pref["sets"]) if pref["sets"] else None,
         **cce,
     )
+    pref["harvest"] = loss.harvest  # for the batches (iterate_batches)
     return loss  # the reference model's log-probs are in the pairs; its weights can go
 
 
@@ -367,9 +367,15 @@ def load_dataset(name: str, args: argparse.Namespace, tokenizer: Any, options: A
 def iterate_batches(name: str, args: argparse.Namespace, options: Any) -> Optional[Callable]:
     if name not in PREFERENCE:
         return None
+    import functools
+
     from . import pairs
 
-    return pairs.iterate_batches
+    def harvest():  # looked up per batch: mlx-lm asks for the batches after the loss
+        pref = (options or {}).get(PREF_KEY) or {}
+        return pref["harvest"]() if "harvest" in pref else 0
+
+    return functools.partial(pairs.iterate_batches, harvest=harvest)
 
 
 @hookimpl

@@ -16,8 +16,10 @@ which way, and the log names it):
   forward, training and evaluation alike, runs them once and the top ``k``
   twice, with and without the adapters (``shared_prompt``'s ``top``); the
   reference costs those ``k`` layers and the head, no pass before training.
-  Not where the run reads each pair so often that one forward per pair
-  costs less (many epochs, by ``reference_share``).
+  Each pair's are kept from the first step that reads it
+  (``keep_reference``): a batch read again (the next epoch, the next
+  validation) runs the policy alone, so the reference costs each pair
+  once, about ``reference_share`` of a forward, never once per read.
 - else precomputed once, before the first step, for every pair of the
   splits the run reads (``sets``): in batches of twice ``--batch-size``
   pairs of similar length, forward only (eager: a compiled forward would
@@ -53,7 +55,10 @@ adapters_off = shared_prompt.adapters_off  # the reference's base model, layer b
 LOSSES = objectives.LOSSES
 METRICS = ("reward_margin", "accuracy", "chosen_logp", "rejected_logp")
 DEFAULT_BETA = 0.1
-PRECOMPUTE = -1  # make_loss(reads=PRECOMPUTE): the reference pass, wherever the step could do it
+# The step's reference log-probs on their way to their pairs: a key starting
+# with "_" is no parameter (never trained or saved), and mlx-lm's compiled
+# step carries the model's arrays out (mlx_lm_ext/training.py does the same).
+REFS = "_mlx_lm_flash_cce_refs"
 
 
 def metrics(
@@ -230,19 +235,12 @@ def reference(
 
 
 def reference_plan(
-    model: nn.Module,
-    token_logps: Callable,
-    reference_model: Optional[nn.Module] = None,
-    reads: Optional[int] = None,
-    distinct: int = 0,
+    model: nn.Module, token_logps: Callable, reference_model: Optional[nn.Module] = None
 ) -> Tuple[int, str]:
-    """``(k, why)``: the reference log-probs in each step, over the top ``k``
-    adapted layers; ``(0, why)``: precomputed once.
-
-    ``reads`` is how many pairs the run's forwards read (``pairs.reads``),
-    ``distinct`` how many the pass would compute; the step's share of a
-    forward per read (``shared_prompt.reference_share``) must cost less in
-    all. Without ``reads`` (not known): in the step wherever it applies.
+    """``(k, why)``: the reference log-probs in the step, over the top ``k``
+    adapted layers, wherever that applies (kept per pair, it costs each pair
+    about ``reference_share`` of a forward once, the pass a whole one);
+    ``(0, why)``: precomputed once.
     """
     if reference_model is not None:
         return 0, "--reference-model: another checkpoint"
@@ -252,28 +250,23 @@ def reference_plan(
     if not top:
         return 0, why
     share = shared_prompt.reference_share(model, token_logps.vocab, top)
-    if reads is not None and reads * share >= distinct:
-        return 0, (
-            f"{why}, but the run reads its {distinct} pairs {reads / max(distinct, 1):.1f} "
-            f"times: one forward per pair costs less than {share:.2f} of one per read"
-        )
     ok, message = token_logps.probe_reference(model, top)
     if not ok:
         return 0, f"{why}, but the model does not split there ({message})"
-    return top, f"{why}, about {share:.2f} of a forward per read; {message}"
+    return top, f"{why}, about {share:.2f} of a forward per pair, once; {message}"
 
 
-def _prepare_reference(model, token_logps, sets, batch_size, reference_model, reads, options):
+def _prepare_reference(model, token_logps, sets, batch_size, reference_model, precompute, options):
     """The reference's top layers for the step, or 0 once the pass has filled the pairs."""
-    if reads == PRECOMPUTE:
+    if precompute:
         top, why = 0, "asked for"
     else:
-        todo = len(_by_length(sets))
-        top, why = reference_plan(model, token_logps, reference_model, reads, todo)
+        top, why = reference_plan(model, token_logps, reference_model)
     if top:
         log.info(
-            "flash-cce: reference log-probs in each step, no pass before training (%s): the "
-            "layers below run once, the top %d twice, with and without the adapters",
+            "flash-cce: reference log-probs in the step that first reads each pair, no pass "
+            "before training (%s): the layers below run once, the top %d twice, with and "
+            "without the adapters",
             why,
             top,
         )
@@ -283,6 +276,41 @@ def _prepare_reference(model, token_logps, sets, batch_size, reference_model, re
     # training batch holds less than one training step does, in fewer calls.
     reference(model, token_logps, sets, 2 * batch_size, reference_model, **options)
     return 0
+
+
+def keep_reference(model: nn.Module, sets: Sequence[Any]) -> Callable[[], int]:
+    """Number the pairs of ``sets`` (``Pair.index``) and return ``harvest()``:
+    the reference log-probs that the steps since the last call computed
+    (``model[REFS]``, rows of ``(index, chosen, rejected)``) into their
+    pairs; how many. Logs once per split when all its pairs have them."""
+    every = [(s, p) for s in sets for p in s.pairs]
+    if len(every) >= 1 << 24:  # the index rides in float32
+        return lambda: 0
+    for i, (_, p) in enumerate(every):
+        p.index = i
+    model[REFS] = mx.zeros((0, 3))
+    told = {id(s) for s in sets if all(p.ref is not None for p in s.pairs)}
+
+    def harvest():
+        rows = model.get(REFS)
+        if rows is None or not rows.shape[0]:
+            return 0
+        model[REFS] = mx.zeros((0, 3))
+        for i, chosen, rejected in rows.tolist():
+            if 0 <= i < len(every):  # -1: a pair the loss was not made for
+                every[int(i)][1].ref = (chosen, rejected)
+        for s in sets:
+            if id(s) not in told and all(p.ref is not None for p in s.pairs):
+                told.add(id(s))
+                log.info(
+                    "flash-cce: reference log-probs of all %d pairs of %s kept: their steps "
+                    "from now on run the policy alone",
+                    len(s.pairs),
+                    s.name,
+                )
+        return len(rows)
+
+    return harvest
 
 
 def make_loss(
@@ -296,7 +324,7 @@ def make_loss(
     check: bool = True,
     share_prompt: bool = True,
     reference_model: Optional[nn.Module] = None,
-    reads: Optional[int] = None,
+    precompute: bool = False,
     **options: Any,
 ) -> Callable[..., Tuple[mx.array, mx.array, mx.array]]:
     """``loss(model, prompts, prompt_lens, responses, response_lens, refs)
@@ -305,32 +333,41 @@ def make_loss(
     ``beta`` defaults per objective (``objectives.DEFAULT_BETA``), ``gamma``
     is SimPO's target margin. ``ntokens`` counts each prompt once plus both
     responses in training and the pairs in evaluation. DPO, IPO and hinge
-    compute their reference log-probs in each step or first fill those of
-    every pair in ``sets`` (``reference_plan``, given ``reads``, the pairs the
-    run reads; ``PRECOMPUTE``: the pass in any case).
-    ``share_prompt=False`` (mlx-lm's ``--grad-checkpoint``) runs each pair as
-    two full sequences. ``loss.reference_layers`` is the ``k`` of the
-    reference in the step (0: none or precomputed).
+    compute their reference log-probs in the step that first reads a pair or
+    first fill those of every pair in ``sets`` (``reference_plan``;
+    ``precompute``: the pass in any case). ``share_prompt=False`` (mlx-lm's
+    ``--grad-checkpoint``) runs each pair as two full sequences.
+    ``loss.reference_layers`` is the ``k`` of the reference in the step (0:
+    none or precomputed); ``loss.harvest()`` hands the pairs the reference
+    log-probs that steps computed (``keep_reference``; the batches call it).
     """
     if name not in LOSSES:
         raise ValueError(f"unknown preference loss {name!r} (have: {', '.join(LOSSES)})")
     beta = objectives.DEFAULT_BETA[name] if beta is None else beta
     options = {k: v for k, v in options.items() if k != "verbose"}
     token_logps = make_token_logps(model, check=check, share_prompt=share_prompt, **options)
-    top = 0
+    top, harvest = 0, lambda: 0
     if name in objectives.REFERENCE:
         top = _prepare_reference(
-            model, token_logps, sets, batch_size, reference_model, reads, options
+            model, token_logps, sets, batch_size, reference_model, precompute, options
         )
+        if top:
+            harvest = keep_reference(model, sets)
 
     def loss(model, prompts, prompt_lens, responses, response_lens, refs):
-        if top:  # the batch's refs are unread: the step computes them
+        if top and refs.shape[1] == 3:  # not yet known (their indices ride along)
             tok, ref_tok = token_logps(model, prompts, prompt_lens, responses, top)
             ref = sequence_logps(ref_tok, response_lens)
-            b = prompts.shape[0]
+            b, index = prompts.shape[0], refs[:, 2:]
             refs = mx.stack([ref[:b], ref[b:]], axis=1)
+            # kept: the compiled step's state carries them out to the next
+            # batch's harvest(); evaluation is not compiled, so at once
+            model[REFS] = mx.concatenate([index, refs], axis=1)
+            if not model.training:
+                harvest()
         else:
             tok = token_logps(model, prompts, prompt_lens, responses)
+            refs = refs[:, :2]
         seq = sequence_logps(tok, response_lens)
         value, cr, rr, chosen, rejected = objectives.objective(
             name, seq, response_lens, refs, beta, gamma
@@ -342,5 +379,5 @@ def make_loss(
         return value.astype(mx.float32), ntoks, metrics(cr, rr, chosen, rejected)
 
     loss.metrics, loss.shared, loss.flash = METRICS, token_logps.shared, token_logps.flash
-    loss.reference_layers = top
+    loss.reference_layers, loss.harvest = top, harvest
     return loss

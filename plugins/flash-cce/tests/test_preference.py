@@ -366,10 +366,16 @@ def test_batches_by_pairs(tokenizer, tmp_path):
     batches = list(pairs.iterate_batches(data, 2, 64, seed=0))
     assert len(batches) == 2  # 5 pairs, batches of 2, the rest left out as mlx-lm does
     for prompts, _, responses, rlens, refs in batches:
-        assert prompts.shape[0] == 2 and responses.shape[0] == 4 and refs.shape == (2, 2)
+        # a pair without its reference log-probs in each: zeros and the pairs' indices
+        assert refs.tolist() == [[0.0, 0.0, -1.0]] * 2
+        assert prompts.shape[0] == 2 and responses.shape[0] == 4
         assert prompts.shape[1] == pairs.padded(prompts.shape[1]) and responses.shape[1] % 8 == 0
         for i in range(2):
             assert rlens[i].item() < rlens[2 + i].item()  # chosen rows, then rejected rows
+    for i, p in enumerate(data.pairs):
+        p.ref = (-1.0 - i, -2.0 - i)
+    for batch in pairs.iterate_batches(data, 2, 64, seed=0):  # all known: [B, 2]
+        assert batch[4].shape == (2, 2) and batch[4][0, 1].item() == batch[4][0, 0].item() - 1
     with pytest.raises(ValueError, match="at least batch_size=8"):
         next(pairs.iterate_batches(data, 8, 64))
 
@@ -676,10 +682,15 @@ def _both_ways(model, data, caplog, **kw):
         caplog.clear()
         in_step = preference.make_loss(model, "dpo", sets=[data], batch_size=2, **kw)
         said = caplog.text
-    pre = preference.make_loss(
-        model, "dpo", sets=[data], batch_size=2, reads=preference.PRECOMPUTE, **kw
-    )
+    pre = preference.make_loss(model, "dpo", sets=[data], batch_size=2, precompute=True, **kw)
     return in_step, pre, said
+
+
+def _first_read(batch):
+    """``batch`` as the step that first reads its pairs gets it: refs unknown
+    (``[B, 3]``, zeros and an index no pair has), so the step computes them."""
+    b = batch[0].shape[0]
+    return (*batch[:4], mx.concatenate([mx.zeros((b, 2)), -mx.ones((b, 1))], axis=1))
 
 
 def _grads(model, loss, batch):
@@ -702,7 +713,7 @@ def test_reference_in_the_step_equals_the_precomputed_pass(smollm2_top4, caplog)
     and in evaluation, and the reference is not the policy."""
     model, data = smollm2_top4, _pair_set(4, seed=3)
     in_step, pre, said = _both_ways(model, data, caplog, backend="mlx")
-    assert "reference log-probs in each step" in said, said
+    assert "reference log-probs in the step" in said, said
     assert "adapters on the top 4 of 30 layers" in said
     assert all(p.ref is not None for p in data.pairs)  # filled by the precomputed loss only
     prompts, plens, responses, rlens, refs = pairs.collate(data.pairs)
@@ -715,10 +726,10 @@ def test_reference_in_the_step_equals_the_precomputed_pass(smollm2_top4, caplog)
     batch = (prompts, plens, responses, rlens, refs)
     for training in (False, True):  # validation / test, then the training step
         model.train(training)
-        a, b = in_step(model, *batch), pre(model, *batch)
+        a, b = in_step(model, *_first_read(batch)), pre(model, *batch)
         assert a[0].item() == pytest.approx(b[0].item(), rel=1e-5, abs=1e-6)
         assert near(a[2], b[2], 1e-5) and a[1].item() == b[1].item()
-    (va, ga), (vb, gb) = _grads(model, in_step, batch), _grads(model, pre, batch)
+    (va, ga), (vb, gb) = _grads(model, in_step, _first_read(batch)), _grads(model, pre, batch)
     assert va.item() == pytest.approx(vb.item(), rel=1e-5) and len(ga) == len(gb) > 0
     for (ka, xa), (kb, xb) in zip(ga, gb, strict=True):
         assert ka == kb and near(xa, xb, 1e-5), ka
@@ -736,10 +747,10 @@ def test_reference_in_the_step_across_layouts(arch, share_prompt, dora, caplog):
     model = _adapted(_model(arch, **layers), 2, dora=dora)
     data = _pair_set(4, seed=4)
     in_step, pre, said = _both_ways(model, data, caplog, backend="mlx", share_prompt=share_prompt)
-    assert "reference log-probs in each step" in said and "top 2 of 3 layers" in said, said
+    assert "reference log-probs in the step" in said and "top 2 of 3 layers" in said, said
     batch = pairs.collate(data.pairs)
     model.train()
-    (va, ga), (vb, gb) = _grads(model, in_step, batch), _grads(model, pre, batch)
+    (va, ga), (vb, gb) = _grads(model, in_step, _first_read(batch)), _grads(model, pre, batch)
     assert va.item() == pytest.approx(vb.item(), rel=1e-5)
     for (_, xa), (_, xb) in zip(ga, gb, strict=True):
         assert near(xa, xb, 1e-5)
@@ -751,7 +762,7 @@ def _precomputed_because(model, caplog, **kw):
         loss = preference.make_loss(
             model, "dpo", sets=[_pair_set(4)], batch_size=2, backend="mlx", **kw
         )
-    assert "reference log-probs in each step" not in caplog.text
+    assert "reference log-probs in the step" not in caplog.text
     assert "reference log-probs of 4 pairs" in caplog.text  # the pass ran
     return loss, caplog.text
 
@@ -770,11 +781,6 @@ def test_the_pass_runs_where_the_step_cannot_compute_the_reference(caplog):
         _adapted(_model("llama", num_hidden_layers=3), 1), caplog, reference_model=other
     )
     assert "precomputed before training (--reference-model" in said
-    # a run that reads each pair many times over: one forward per pair costs less
-    _, said = _precomputed_because(
-        _adapted(_model("llama", num_hidden_layers=3), 1), caplog, reads=40
-    )
-    assert "the run reads its 4 pairs 10.0 times" in said
 
 
 def _matmuls(tmp_path, *arrays):
@@ -821,29 +827,62 @@ def test_reference_in_the_step_costs_base_layers_and_no_backward(tmp_path):
     data = _pair_set(4, seed=4)
     in_step = preference.make_loss(model, "dpo", sets=[data], batch_size=2, backend="mlx")
     pre = preference.make_loss(
-        model, "dpo", sets=[data], batch_size=2, backend="mlx", reads=preference.PRECOMPUTE
+        model, "dpo", sets=[data], batch_size=2, backend="mlx", precompute=True
     )
     assert in_step.reference_layers == 2
     batch = pairs.collate(data.pairs)
     model.train()
     forward, step = [], []
-    for loss in (in_step, pre):
-        forward.append(_matmuls(tmp_path, loss(model, *batch)[0]))
-        value, grads = nn.value_and_grad(model, lambda m, *b, f=loss: f(m, *b)[0])(model, *batch)
+    for loss, b in ((in_step, _first_read(batch)), (pre, batch)):
+        forward.append(_matmuls(tmp_path, loss(model, *b)[0]))
+        value, grads = nn.value_and_grad(model, lambda m, *x, f=loss: f(m, *x)[0])(model, *b)
         step.append(_matmuls(tmp_path, value, *(g for _, g in tree_flatten(grads))))
     assert forward[0] > forward[1] and step[0] - step[1] == forward[0] - forward[1]
     model.train(False)
 
 
-def test_reads_counts_what_the_run_reads():
-    import argparse
+def test_reference_kept_from_the_step_that_first_reads_each_pair(tmp_path, caplog):
+    """Through a step compiled as mlx-lm compiles its own and the batches over two
+    epochs: each pair's reference log-probs come out of the step that first reads
+    it, equal to the pass's, and a batch read again runs the policy alone (the
+    products of the precomputed loss). Evaluation keeps them at once."""
+    from functools import partial
 
-    sets = [_pair_set(7, name="train.jsonl"), _pair_set(5, name="valid.jsonl")]
-    sets.append(_pair_set(3, name="test.jsonl"))
-    args = argparse.Namespace(
-        iters=10, batch_size=2, steps_per_eval=4, val_batches=-1, test_batches=1
+    import mlx.optimizers as optim
+
+    model = _adapted(_model("llama", num_hidden_layers=3), 2)
+    want = _pair_set(6, seed=5)
+    preference.make_loss(model, "dpo", sets=[want], batch_size=2, backend="mlx", precompute=True)
+    data, valid = _pair_set(6, seed=5), _pair_set(2, seed=6, name="valid.jsonl")
+    with caplog.at_level(logging.INFO, logger="mlx_lm_flash_cce"):
+        loss = preference.make_loss(model, "dpo", sets=[data, valid], batch_size=2, backend="mlx")
+        optimizer = optim.Adam(learning_rate=1e-3)
+        value_and_grad = nn.value_and_grad(model, lambda m, *b: loss(m, *b)[0])
+        state = [model.state, optimizer.state]
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def step(*batch):
+            value, grad = value_and_grad(model, *batch)
+            optimizer.update(model, grad)
+            return value
+
+        model.train()
+        widths = []
+        batches = pairs.iterate_batches(data, 2, 96, loop=True, seed=0, harvest=loss.harvest)
+        for _, batch in zip(range(6), batches, strict=False):
+            widths.append(batch[4].shape[1])
+            mx.eval(step(*batch), state)
+    assert widths == [3, 3, 3, 2, 2, 2]  # the second epoch's batches carry their refs
+    for got, ref in zip(data.pairs, want.pairs, strict=True):
+        assert got.ref == pytest.approx(ref.ref, rel=1e-5, abs=1e-5)
+    assert "reference log-probs of all 6 pairs of train.jsonl kept" in caplog.text
+    batch = pairs.collate(data.pairs[:2])
+    pre = preference.make_loss(model, "dpo", backend="mlx", precompute=True)
+    assert _matmuls(tmp_path, loss(model, *batch)[0]) == _matmuls(tmp_path, pre(model, *batch)[0])
+    assert _matmuls(tmp_path, loss(model, *_first_read(batch))[0]) > _matmuls(
+        tmp_path, pre(model, *batch)[0]
     )
-    # 10 steps of 2; validations at steps 1, 4, 8, 10 of 2 full batches; 1 test batch
-    assert pairs.reads(args, sets) == 20 + 4 * 4 + 2
-    args.val_batches = 1
-    assert pairs.reads(args, sets[:2]) == 20 + 4 * 2
+    model.train(False)
+    assert all(p.ref is None for p in valid.pairs)
+    loss(model, *pairs.collate(valid.pairs))  # evaluation: not compiled
+    assert all(p.ref is not None for p in valid.pairs)

@@ -142,7 +142,7 @@ def test_orpo_chat_pairs_margin_rises(smollm2_f32_path, own_pairs, tmp_path):
 @pytest.fixture(scope="module")
 def dpo_runs(smollm2_f32_path, own_pairs, tmp_path_factory):
     """DPO from a YAML config as a user runs it (LoRA on the top 4 layers: the
-    reference in each step), and the same run against the same checkpoint
+    reference in the step), and the same run against the same checkpoint
     loaded apart (``--reference-model``: the reference pass before training)."""
     _, plain = own_pairs
     root = tmp_path_factory.mktemp("dpo")
@@ -159,8 +159,10 @@ def test_dpo_reference_in_the_step_trains_as_the_pass_does(dpo_runs):
     import mlx.core as mx
 
     (lines, out), (want, pass_out), root = dpo_runs
-    assert "reference log-probs in each step" in out and "top 4 of 30 layers" in out, out[-3000:]
-    assert "reference log-probs of" not in out
+    assert "reference log-probs in the step" in out and "top 4 of 30 layers" in out, out[-3000:]
+    assert not re.search(r"reference log-probs of \d+ pairs \(", out)  # no pass ran
+    # 6 pairs in batches of 2 over 6 steps: the second epoch's steps run the policy alone
+    assert "reference log-probs of all 6 pairs of train.jsonl kept" in out, out[-3000:]
     assert "reference log-probs of 10 pairs (the reference model)" in pass_out
     assert sorted(lines["loss"]) == sorted(want["loss"]) and len(lines["loss"]) == 5
     for key, value in want["loss"].items():  # printed to 3 decimals
@@ -252,9 +254,9 @@ def test_objectives_margin_rises(smollm2_f32_path, own_pairs, tmp_path, loss, ex
     if loss == "ipo":  # before the first step the model is its own reference
         assert val[1][0] == 0.0
         assert "reference log-probs of 10 pairs (the reference model)" in out, out[-3000:]
-    elif loss == "hinge":  # LoRA on the top 4 of 30 layers: the reference in each step
+    elif loss == "hinge":  # LoRA on the top 4 of 30 layers: the reference in the step
         assert val[1][0] == 0.0
-        assert "reference log-probs in each step" in out, out[-3000:]
+        assert "reference log-probs in the step" in out, out[-3000:]
     else:
         assert "reference log-probs" not in out
     assert re.search(
