@@ -252,6 +252,8 @@ def print_steady(parts):
     if not parts["stock"]:  # one batch, no queue
         return
     rates = {k: [r.steady[1] / max(r.steady[0], 1e-9) for r in v] for k, v in parts.items()}
+    if not all(rates["stock"]):  # --queue 1: no request ever waited
+        return
     s, o = statistics.median(rates["stock"]), statistics.median(rates["ours"])
     turns = ", ".join(f"{b / a:.2f}x" for a, b in zip(rates["stock"], rates["ours"], strict=True))
     n = sum(r.steady[2] for r in parts["ours"]) / sum(r.calls for r in parts["ours"])
@@ -390,12 +392,25 @@ def budgets(n, max_tokens, vary):
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="", queue=0, vary=0.0):
+def run(
+    model,
+    tok,
+    C,
+    max_tokens,
+    tree,
+    kind="grounded",
+    repeats=1,
+    control="",
+    queue=0,
+    vary=0.0,
+    prefill=None,
+):
     """Stock and ours in turn, ``repeats`` times (ours on one generator, as a
     server keeps one: what its controller learnt carries over); the ratio of
     the medians, and each turn's. ``queue``: each of C clients sends that
     many requests one after another (the kind's pool in turn), else the
-    first C prompts decode as one batch."""
+    first C prompts decode as one batch. ``prefill``: every generator's
+    ``prefill_step_size`` (None: mlx-lm's)."""
     pool = grounded() if kind == "grounded" else OPEN
     chats = [pool[i % len(pool)] for i in range(C * queue)] if queue else pool[:C]
     prompts = [
@@ -410,10 +425,13 @@ def run(model, tok, C, max_tokens, tree, kind="grounded", repeats=1, control="",
     # other: on the H100 a stock generator built after ours' warm-up read
     # 1.16x of one built before it (--control stock).
     drafter = Silent(tree=tree) if control == "silent" else NGramDrafter(tree=tree)
-    decode(batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft), prompts[:C], 32)
-    base = BatchGenerator(model)
-    twin = BatchGenerator(model) if control == "stock" else None
-    gen = batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft)
+    kw = {} if prefill is None else {"prefill_step_size": prefill}
+    decode(
+        batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft, **kw), prompts[:C], 32
+    )
+    base = BatchGenerator(model, **kw)
+    twin = BatchGenerator(model, **kw) if control == "stock" else None
+    gen = batch_mod.SpecBatchGenerator(model, drafter, 3, drafter.max_draft, **kw)
     for g in (base, twin):
         if g is not None:
             decode(g, prompts[:C], 8)  # warm up, as ours' warm-up did
@@ -510,6 +528,16 @@ def main():
         "(0: every request the same, so stock's rows end and are refilled together)",
     )
     ap.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="every generator's prompt chunk in tokens (mlx-lm's BatchGenerator and "
+        "mlx_lm.server's option; default mlx-lm's 2048): the wide stand-ins' MLP "
+        "activations over 8 rows of 2048 tokens outgrow an 80 GB card at 20B and 30B, "
+        "where a real model of that size, with MLPs ~20x narrower, fits",
+    )
+    ap.add_argument(
         "--compact-holes",
         type=int,
         default=None,
@@ -555,6 +583,7 @@ def main():
                 args.control,
                 args.queue,
                 args.vary_tokens,
+                args.prefill_step_size,
             )
 
 
