@@ -283,13 +283,14 @@ def keep_reference(model: nn.Module, sets: Sequence[Any]) -> Callable[[], int]:
     the reference log-probs that the steps since the last call computed
     (``model[REFS]``, rows of ``(index, chosen, rejected)``) into their
     pairs; how many. Logs once per split when all its pairs have them."""
-    every = [(s, p) for s in sets for p in s.pairs]
+    every = [(k, p) for k, s in enumerate(sets) for p in s.pairs]
     if len(every) >= 1 << 24:  # the index rides in float32
         return lambda: 0
     for i, (_, p) in enumerate(every):
         p.index = i
     model[REFS] = mx.zeros((0, 3))
-    told = {id(s) for s in sets if all(p.ref is not None for p in s.pairs)}
+    # pairs still without them, per split: counted down, not rescanned per step
+    left = [sum(p.ref is None for p in s.pairs) for s in sets]
 
     def harvest():
         rows = model.get(REFS)
@@ -297,17 +298,19 @@ def keep_reference(model: nn.Module, sets: Sequence[Any]) -> Callable[[], int]:
             return 0
         model[REFS] = mx.zeros((0, 3))
         for i, chosen, rejected in rows.tolist():
-            if 0 <= i < len(every):  # -1: a pair the loss was not made for
-                every[int(i)][1].ref = (chosen, rejected)
-        for s in sets:
-            if id(s) not in told and all(p.ref is not None for p in s.pairs):
-                told.add(id(s))
-                log.info(
-                    "flash-cce: reference log-probs of all %d pairs of %s kept: their steps "
-                    "from now on run the policy alone",
-                    len(s.pairs),
-                    s.name,
-                )
+            if not 0 <= i < len(every):  # -1: a pair the loss was not made for
+                continue
+            k, pair = every[int(i)]
+            if pair.ref is None:
+                left[k] -= 1
+                if not left[k]:
+                    log.info(
+                        "flash-cce: reference log-probs of all %d pairs of %s kept: their "
+                        "steps from now on run the policy alone",
+                        len(sets[k].pairs),
+                        sets[k].name,
+                    )
+            pair.ref = (chosen, rejected)
         return len(rows)
 
     return harvest
