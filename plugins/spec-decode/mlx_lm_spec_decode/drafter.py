@@ -50,6 +50,16 @@ and the drafter chooses each draft's length, e.g. from its confidence and
 one ``DraftContext`` per row with ``target_cache`` ``None`` and no
 ``hidden`` (a drafter that reads neither, and proposes without ``probs``).
 
+Optional: ``draft_after(ctx, kept, token, hidden, pos, n)`` for a drafter
+that drafts from the device's own state (the assistant): the loop calls it
+right after queuing a greedy verify, before reading it, with that round's
+outcome as lazy arrays (``kept`` drafts held, the target's ``token`` after
+them, the ``hidden`` state that produced it, the cache length ``pos`` once
+the rejected entries are cut), so the device runs the next round's draft
+steps behind the verify. The drafter returns the lazy drafts (or None) and
+proposes them from its next ``draft`` if ``accept`` is told of exactly
+that round.
+
 ``DrafterProtocol`` states this contract for type checkers; ``Drafter`` is a
 base class that meets it by proposing nothing, to subclass.
 """

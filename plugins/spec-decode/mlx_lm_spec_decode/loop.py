@@ -333,8 +333,34 @@ class VerifyLoop:
             yield from self._nothing_drafted(remaining, t0)
             return
         self.misses = 0
-        checked = self._verify(drafts, q, self._pad_room(room))
-        yield from self._kept(checked, drafts.tolist(), t0)
+        queued = self._queue(self.y, drafts, q, self._pad_room(room))
+        lp = self._draft_behind(queued)
+        yield from self._kept(self._check(queued, lp), drafts.tolist(), t0)
+
+    def _draft_behind(self, queued) -> None:
+        """The next round's drafts, queued behind this round's verify before
+        the host reads it, where the drafter drafts from the device's own
+        state (``draft_after``: the assistant) and the target's greedy
+        tokens decide what is kept: the device runs them while the host
+        reads this round and builds the next one's forward, so the round
+        costs its verify, not its verify and its draft steps. The drafter
+        proposes them next if that round starts where this one leaves off.
+        Returns the window's log-probabilities for ``_check`` (None: not
+        built here)."""
+        win, logits, hidden, fed = queued
+        after = getattr(self.drafter, "draft_after", None)
+        end = _offset(self.target_cache)
+        if after is None or hidden is None or end is None or self.rule.kind != "greedy":
+            return None
+        lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), win.tokens)
+        a, token = sampling.kept_on_device(win, sampling.draws(win, lp, self.rule)[0])
+        k = min(self.ctl.gmax, self.ctl.gamma + 1)
+        drafts = after(self.ctx, a, token, hidden[a][None], end - fed + a + 1, k)
+        if drafts is not None:
+            # The count on its own, so reading it waits for the verify only.
+            mx.async_eval(a)
+            mx.async_eval(drafts)
+        return lp
 
     def _kept(self, checked, d: list[int], t0: float, timed: bool = True) -> Iterator[Step]:
         """A checked chain over drafts ``d`` (``_check``): the caches cut to
@@ -449,12 +475,6 @@ class VerifyLoop:
         k = self.ctl.gmax if getattr(self.drafter, "sizes_drafts", False) else self.ctl.gamma
         return list(self.drafter.draft(self.ctx, max(1, k) + 1)[0])
 
-    def _verify(self, drafts, q, room):
-        """One target forward over ``[y, drafts]`` (``_queue``) and its
-        acceptance (``_check``): the logprobs rows, the hidden states (or
-        None), the accepted count, the target's token and the width fed."""
-        return self._check(self._queue(self.y, drafts, q, room))
-
     def _queue(self, first, drafts, q, room):
         """The verify forward over ``[first, drafts]`` built, padded up to one
         of ``widths`` (within ``room``); ``first``: the pending token, or a
@@ -483,10 +503,16 @@ class VerifyLoop:
             hidden = hidden[:n] if hidden is not None else None
         return win, logits, hidden, fed
 
-    def _check(self, queued):
-        """The accepted path of a queued verify (``_queue``): waits for it."""
+    def _check(self, queued, lp=None):
+        """The accepted path of a queued verify (``_queue``; ``lp``: its
+        log-probabilities if built): waits for it. Returns the logprobs
+        rows, the hidden states (or None), the accepted count, the
+        target's token and the width fed."""
         win, logits, hidden, fed = queued
-        lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), win.tokens)
+        if lp is None:
+            lp = sampling.window_logprobs(
+                logits, self.logits_processors, self._before(), win.tokens
+            )
         # The logprobs rows stay lazy: only a consumer that reads them pays.
         path, target_tok = sampling.accept(win, lp, self.rule)
         return lp, hidden, len(path) - 1, target_tok, fed

@@ -264,6 +264,19 @@ def window_logprobs(
     return out - mx.logsumexp(out, axis=-1, keepdims=True)
 
 
+def kept_on_device(win: Window, targets: mx.array) -> tuple[mx.array, mx.array]:
+    """``walk``'s greedy result for a chain, on the device (lazy, nothing
+    read): how many drafts the target's tokens ``targets`` (``draws``)
+    keep, and the target's token after them (``[1]``). For work queued
+    behind a verify before the host reads it; the host's ``walk`` stays
+    the rule, and the two are compared before that work is used."""
+    tokens = win.tokens if isinstance(win.tokens, mx.array) else mx.array(win.tokens, mx.uint32)
+    n = tokens.size - 1
+    same = (tokens[1:].astype(mx.uint32) == targets[:n].astype(mx.uint32)).astype(mx.int32)
+    a = mx.cumprod(same).sum() if n else mx.array(0, mx.int32)
+    return a, targets[a][None].astype(mx.uint32)
+
+
 def kept(drafts: Sequence[int], targets: Sequence[int]) -> int:
     """How many drafts a greedy or sample-and-match round keeps: the length
     of their common prefix with the target's tokens (``targets`` may be

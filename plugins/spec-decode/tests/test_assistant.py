@@ -278,6 +278,7 @@ class Checked(A.AssistantDrafter):
     def __init__(self, base, split, history):
         self.__dict__.update(base.__dict__)
         self.split, self.history, self.checks = split, history, 0
+        self.behind = 0  # rounds proposing drafts made behind the last verify
 
     def prefill(self, ctx, tokens):
         super().prefill(ctx, tokens)
@@ -301,9 +302,11 @@ class Checked(A.AssistantDrafter):
         return DraftContext(self.model, cache, [], hidden=h[0, -1:])
 
     def draft(self, ctx, n):
+        ahead = ctx.state.get("ahead")  # this drafter's scratch: (drafts, kept, held)
         got, _ = super().draft(ctx, n)
         if ctx.hidden is None:
             return got, None
+        self.behind += ahead is not None and ahead[2] and "ahead" not in ctx.state
         ref_ctx = self.fresh(ctx)
         A.AssistantDrafter.prefill(self, ref_ctx, self.history)
         want, _ = A.AssistantDrafter.draft(self, ref_ctx, n)
@@ -366,6 +369,10 @@ def test_rollback_keeps_drafter_and_target_consistent(llama, trained):
         s = last_stats()
         assert out == stock(model, p, 30)
         assert c.checks == s.draft_rounds > 0
+        # Greedy chains: every round after a round is drafted behind its
+        # verify (before the host reads it), and those drafts are checked
+        # against a fresh prefill like any other.
+        assert c.behind > 0
 
 
 def test_stops_leave_exact_caches(llama, trained):

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .. import target as target_mod
 from ..drafter import DraftContext, Drafter
@@ -101,10 +101,49 @@ class AssistantDrafter(Drafter):
         last = ctx.state.get("last")
         if n <= 0 or not last or ctx.hidden is None:
             return [], None
-        views, pos, own, hidden, tok = self._start(ctx, last)
+        ahead = ctx.state.pop("ahead", None)
+        if ahead is not None and ahead[2] and n <= ahead[0].size:
+            return ahead[0][:n], None
+        return self._chain(ctx, *self._start(ctx, last), n)
+
+    def draft_after(
+        self,
+        ctx: DraftContext,
+        kept: mx.array,
+        token: mx.array,
+        hidden: mx.array,
+        pos: mx.array,
+        n: int,
+    ) -> Optional[mx.array]:
+        """Greedy drafts for the round after a verify the loop has queued
+        but not read, all lazy: ``kept`` drafts of it held, then the
+        target's token (``token``, ``[1]``) from the hidden state
+        ``hidden`` (``[1, D]``), at position ``pos`` (the cache's length
+        once the verify's rejected entries are cut). The donors are read
+        as the verify leaves them, their entries from ``pos`` on masked,
+        so the device runs these steps behind the verify while the host
+        reads it. The next ``draft`` proposes them if ``accept`` is told
+        of exactly that round. None where the donors' entries are not in
+        position order (rotating or quantized caches)."""
+        caches = self.donors(ctx)
+        if n <= 0 or any(type(c) is not KVCache for c in caches):
+            return None
+        views = [donor_view(c) for c in caches]
+        own: list = [[] for _ in self.net.layers]
+        start = (views, pos, own, hidden.reshape(1, 1, -1), token.astype(mx.uint32))
+        drafts = self._chain(ctx, *start, n, limit=pos)[0]
+        ctx.state["ahead"] = (drafts, kept, False)
+        return drafts
+
+    def _chain(self, ctx, views, pos, own, hidden, tok, n, limit=None):
+        """``n`` drafts from ``_start``'s state (lazy), and their
+        distributions when sampled; ``limit``: donor entries from it on
+        hidden (``draft_after``)."""
         tokens, probs = [], []
         for s in range(n):
-            hidden = self.net.step(hidden, self.embed(tok)[None], views, self.ropes, own, pos + s)
+            hidden = self.net.step(
+                hidden, self.embed(tok)[None], views, self.ropes, own, pos + s, limit
+            )
             logits = self.head(hidden)[0, -1:, : self.vocab]
             if ctx.temp == 0:
                 tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
@@ -173,15 +212,24 @@ class AssistantDrafter(Drafter):
         ctx.state["own"] = 0
         if tokens:
             ctx.state["last"] = list(tokens[-1:])
+        # Drafts made behind a verify hold for the round that kept what the
+        # device found it keeps; any later token moves past them.
+        ahead = ctx.state.pop("ahead", None)
+        if ahead is not None and not ahead[2]:
+            drafts, kept, _ = ahead
+            if len(tokens) == n_drafted + 1 and kept.item() == n_drafted:
+                ctx.state["ahead"] = (drafts, kept, True)
 
     def trim(self, ctx: DraftContext, n: int) -> None:
         # The history shrank behind the loop's back: the last token and the
         # hidden state no longer match, so draft nothing until told again.
         if n > 0:
             ctx.state["last"] = []
+            ctx.state.pop("ahead", None)
 
     def flush(self, ctx: DraftContext) -> None:
         ctx.state["own"] = 0
+        ctx.state.pop("ahead", None)
 
 
 def _ranked_paths(levels: list[list[list]]) -> list[tuple[list[int], float]]:
