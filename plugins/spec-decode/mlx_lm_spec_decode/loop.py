@@ -158,6 +158,7 @@ class VerifyLoop:
         self.split = self._split()
         self.attention = target_mod.attention_policy()  # a bad MLX_LM_SPEC_ATTENTION fails here
         self.widths = target_mod.window_widths()  # chains padded up to these (a GPU)
+        self.behind = target_mod.drafts_behind()  # next drafts queued behind a verify (a GPU)
         self.ctx = DraftContext(
             model, self.target_cache, dcache, temp=self.rule.temp or 0.0, filter=self.rule.filt
         )
@@ -352,10 +353,14 @@ class VerifyLoop:
         end = _offset(self.target_cache)
         if after is None or hidden is None or end is None or self.rule.kind != "greedy":
             return None
+        # Not while the controller times fresh drafts: drafts made behind
+        # would read as free.
+        if not self.behind or self.ctl.time_draft():
+            return None
         lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), win.tokens)
         a, token = sampling.kept_on_device(win, sampling.draws(win, lp, self.rule)[0])
-        k = min(self.ctl.gmax, self.ctl.gamma + 1)
-        drafts = after(self.ctx, a, token, hidden[a][None], end - fed + a + 1, k)
+        # γ as it stands: a round that wants more drafts makes its own.
+        drafts = after(self.ctx, a, token, hidden[a][None], end - fed + a + 1, self.ctl.gamma)
         if drafts is not None:
             # The count on its own, so reading it waits for the verify only.
             mx.async_eval(a)

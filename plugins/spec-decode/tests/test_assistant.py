@@ -359,12 +359,14 @@ def test_token_trees_are_stock_and_keep_the_drafters_inputs(llama, trained, monk
     assert sum(w for _, w in paths) == pytest.approx(1.0)
 
 
-def test_rollback_keeps_drafter_and_target_consistent(llama, trained):
+def test_rollback_keeps_drafter_and_target_consistent(llama, trained, monkeypatch):
+    monkeypatch.setenv("MLX_LM_SPEC_BEHIND", "on")  # a GPU's default
     model, tok = llama
     d, prompt, *_ = trained
     for text in ("one two three four five six seven eight nine ten", "the quick brown fox"):
         p = prompt_of(tok, text)
         c = Checked(d, target_mod.split(model), [])
+        c.auto_off = False  # drafting every round (its drafts are not timed)
         out = spec(model, c, p, 30, k=4)
         s = last_stats()
         assert out == stock(model, p, 30)
