@@ -359,7 +359,7 @@ class VerifyLoop:
             return None
         lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), win.tokens)
         a, token = sampling.kept_on_device(win, sampling.draws(win, lp, self.rule)[0])
-        # γ as it stands: a round that wants more drafts makes its own.
+        # γ as it stands (a round that wants more since proposes these).
         drafts = after(self.ctx, a, token, hidden[a][None], end - fed + a + 1, self.ctl.gamma)
         if drafts is not None:
             # The count on its own, so reading it waits for the verify only.

@@ -102,7 +102,8 @@ class AssistantDrafter(Drafter):
         if n <= 0 or not last or ctx.hidden is None:
             return [], None
         ahead = ctx.state.pop("ahead", None)
-        if ahead is not None and ahead[2] and n <= ahead[0].size:
+        if ahead is not None and ahead[2]:
+            # Fewer than asked where γ grew since: more would be a new chain.
             return ahead[0][:n], None
         return self._chain(ctx, *self._start(ctx, last), n)
 
