@@ -338,13 +338,13 @@ class VerifyLoop:
         lp = self._draft_behind(queued)
         yield from self._kept(self._check(queued, lp), drafts.tolist(), t0)
 
-    def _draft_behind(self, queued) -> None:
+    def _draft_behind(self, queued) -> Optional[mx.array]:
         """The next round's drafts, queued behind this round's verify before
         the host reads it, where the drafter drafts from the device's own
         state (``draft_after``: the assistant) and the target's greedy
         tokens decide what is kept: the device runs them while the host
-        reads this round and builds the next one's forward, so the round
-        costs its verify, not its verify and its draft steps. The drafter
+        reads this round and builds the next one's forward, instead of
+        waiting for the host to build them after the read. The drafter
         proposes them next if that round starts where this one leaves off.
         Returns the window's log-probabilities for ``_check`` (None: not
         built here)."""
