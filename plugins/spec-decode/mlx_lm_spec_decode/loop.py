@@ -335,10 +335,9 @@ class VerifyLoop:
             return
         self.misses = 0
         queued = self._queue(self.y, drafts, q, self._pad_room(room))
-        lp = self._draft_behind(queued)
-        yield from self._kept(self._check(queued, lp), drafts.tolist(), t0)
+        yield from self._kept(self._check(queued, self._draft_behind(queued)), drafts.tolist(), t0)
 
-    def _draft_behind(self, queued) -> Optional[mx.array]:
+    def _draft_behind(self, queued) -> Optional[tuple]:
         """The next round's drafts, queued behind this round's verify before
         the host reads it, where the drafter drafts from the device's own
         state (``draft_after``: the assistant) and the target's greedy
@@ -346,8 +345,8 @@ class VerifyLoop:
         reads this round and builds the next one's forward, instead of
         waiting for the host to build them after the read. The drafter
         proposes them next if that round starts where this one leaves off.
-        Returns the window's log-probabilities for ``_check`` (None: not
-        built here)."""
+        Returns the window's log-probabilities and draws for ``_check``
+        (None: not built here)."""
         win, logits, hidden, fed = queued
         after = getattr(self.drafter, "draft_after", None)
         end = _offset(self.target_cache)
@@ -358,14 +357,15 @@ class VerifyLoop:
         if not self.behind or self.ctl.time_draft():
             return None
         lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), win.tokens)
-        a, token = sampling.kept_on_device(win, sampling.draws(win, lp, self.rule)[0])
+        drawn = sampling.draws(win, lp, self.rule)
+        a, token = sampling.kept_on_device(win, drawn[0])
         # γ as it stands (a round that wants more since proposes these).
         drafts = after(self.ctx, a, token, hidden[a][None], end - fed + a + 1, self.ctl.gamma)
         if drafts is not None:
             # The count on its own, so reading it waits for the verify only.
             mx.async_eval(a)
             mx.async_eval(drafts)
-        return lp
+        return lp, drawn
 
     def _kept(self, checked, d: list[int], t0: float, timed: bool = True) -> Iterator[Step]:
         """A checked chain over drafts ``d`` (``_check``): the caches cut to
@@ -508,18 +508,19 @@ class VerifyLoop:
             hidden = hidden[:n] if hidden is not None else None
         return win, logits, hidden, fed
 
-    def _check(self, queued, lp=None):
-        """The accepted path of a queued verify (``_queue``; ``lp``: its
-        log-probabilities if built): waits for it. Returns the logprobs
-        rows, the hidden states (or None), the accepted count, the
-        target's token and the width fed."""
+    def _check(self, queued, built=None):
+        """The accepted path of a queued verify (``_queue``; ``built``: its
+        log-probabilities and draws, where ``_draft_behind`` made them):
+        waits for it. Returns the logprobs rows, the hidden states (or
+        None), the accepted count, the target's token and the width fed."""
         win, logits, hidden, fed = queued
+        lp, drawn = built or (None, None)
         if lp is None:
             lp = sampling.window_logprobs(
                 logits, self.logits_processors, self._before(), win.tokens
             )
         # The logprobs rows stay lazy: only a consumer that reads them pays.
-        path, target_tok = sampling.accept(win, lp, self.rule)
+        path, target_tok = sampling.accept(win, lp, self.rule, drawn)
         return lp, hidden, len(path) - 1, target_tok, fed
 
     def _fall_back(self, room):

@@ -222,10 +222,13 @@ def walk(win: Window, values: Sequence[List[Any]], kind: str) -> tuple[List[int]
             return path, int(res[node])
 
 
-def accept(win: Window, logprobs: mx.array, rule: Rule) -> tuple[List[int], int]:
-    """``walk`` over ``draws``, evaluated here (with the window's tokens):
-    the accepted path and the target's token after it."""
-    d = draws(win, logprobs, rule)
+def accept(
+    win: Window, logprobs: mx.array, rule: Rule, drawn: Optional[tuple] = None
+) -> tuple[List[int], int]:
+    """``walk`` over ``draws`` (``drawn``: those already built for this
+    window), evaluated here (with the window's tokens): the accepted path
+    and the target's token after it."""
+    d = drawn if drawn is not None else draws(win, logprobs, rule)
     mx.eval(d, win.tokens if isinstance(win.tokens, mx.array) else [])
     return walk(win, [x.tolist() for x in d], rule.kind)
 

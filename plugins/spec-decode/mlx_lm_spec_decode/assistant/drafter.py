@@ -130,20 +130,22 @@ class AssistantDrafter(Drafter):
         if n <= 0 or any(type(c) is not KVCache for c in caches):
             return None
         views = [donor_view(c) for c in caches]
+        # one mask per donor for every step: its entries before ``pos``
+        masks = [(mx.arange(keys.shape[-2]) < pos)[None] for keys, _, _ in views]
         own: list = [[] for _ in self.net.layers]
         start = (views, pos, own, hidden.reshape(1, 1, -1), token.astype(mx.uint32))
-        drafts = self._chain(ctx, *start, n, limit=pos)[0]
+        drafts = self._chain(ctx, *start, n, masks=masks)[0]
         ctx.state["ahead"] = (drafts, kept, False)
         return drafts
 
-    def _chain(self, ctx, views, pos, own, hidden, tok, n, limit=None):
+    def _chain(self, ctx, views, pos, own, hidden, tok, n, masks=None):
         """``n`` drafts from ``_start``'s state (lazy), and their
-        distributions when sampled; ``limit``: donor entries from it on
-        hidden (``draft_after``)."""
+        distributions when sampled; ``masks``: the donor entries each
+        layer attends (``draft_after``)."""
         tokens, probs = [], []
         for s in range(n):
             hidden = self.net.step(
-                hidden, self.embed(tok)[None], views, self.ropes, own, pos + s, limit
+                hidden, self.embed(tok)[None], views, self.ropes, own, pos + s, masks
             )
             logits = self.head(hidden)[0, -1:, : self.vocab]
             if ctx.temp == 0:

@@ -168,25 +168,26 @@ class Assistant(nn.Module):
         ropes: list[Any],
         own: list[list[tuple[mx.array, mx.array]]],
         pos: Any,
-        limit: Optional[mx.array] = None,
+        masks: Optional[list] = None,
     ) -> mx.array:
         """One drafted position (``L == 1``) at absolute position ``pos``
         (an int, or a lazy scalar).
 
         ``own[i]`` is layer ``i``'s list of ``(k, v)`` from earlier steps of
-        this chain; this step's entries are appended to it. ``limit``: the
-        donors' entries from this index on are not attended (None: all)."""
+        this chain; this step's entries are appended to it. ``masks[i]``:
+        which of donor ``i``'s entries layer ``i`` attends (``[1, T]``
+        booleans; None: all)."""
         x = self.inputs(hidden, emb)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, ropes[i], pos)
             own[i].append((k, v))
-            mask = None
-            if limit is not None:
-                keys = donors[i][0]
-                n = (keys[0] if donors[i][2] else keys).shape[-2]
-                mask = (mx.arange(n) < limit)[None]
             a = attend(
-                q, donors[i], [e[0] for e in own[i]], [e[1] for e in own[i]], layer.scale, mask
+                q,
+                donors[i],
+                [e[0] for e in own[i]],
+                [e[1] for e in own[i]],
+                layer.scale,
+                None if masks is None else masks[i],
             )
             x = layer.finish(x, a)
         return self.norm(x)
