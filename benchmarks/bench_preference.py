@@ -273,9 +273,7 @@ def one_method(method, model_name, dtype, n_pairs, prompt, response, layers, rep
         extra = [("reference", reference), ("forward", _bare_forward(model, batch))]
         in_step = _in_step_loss(model)
         if in_step is not None:
-            # as the step that first reads these pairs sees them: refs unknown
-            # ([B, 3]: zeros and an index), so it computes them
-            first = (*batch[:4], mx.array([[0.0, 0.0, -1.0]] * len(rows)))
+            first = pairs.unread(batch)  # as the step that first reads its pairs gets it
             model.train()  # the same loss both ways, before any step
             result["losses"] = [loss(model, *batch)[0].item(), in_step(model, *first)[0].item()]
             in_step_step = _compiled_step(model, in_step)

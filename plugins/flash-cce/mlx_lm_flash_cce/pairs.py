@@ -330,6 +330,14 @@ def collate(pairs: Sequence[Pair]) -> Tuple[mx.array, ...]:
     )
 
 
+def unread(batch: Tuple[mx.array, ...]) -> Tuple[mx.array, ...]:
+    """``batch`` as the step that first reads its pairs gets it: their reference
+    log-probs unknown (``refs`` ``[B, 3]``: zeros and the index -1, no pair's, so
+    what the step computes is kept for none), so the step computes them."""
+    b = batch[0].shape[0]
+    return (*batch[:4], mx.concatenate([mx.zeros((b, 2)), -mx.ones((b, 1))], axis=1))
+
+
 def iterate_batches(
     dataset: Any,
     batch_size: int,

@@ -686,13 +686,6 @@ def _both_ways(model, data, caplog, **kw):
     return in_step, pre, said
 
 
-def _first_read(batch):
-    """``batch`` as the step that first reads its pairs gets it: refs unknown
-    (``[B, 3]``, zeros and an index no pair has), so the step computes them."""
-    b = batch[0].shape[0]
-    return (*batch[:4], mx.concatenate([mx.zeros((b, 2)), -mx.ones((b, 1))], axis=1))
-
-
 def _grads(model, loss, batch):
     value, grads = nn.value_and_grad(model, lambda m, *b: loss(m, *b)[0])(model, *batch)
     return value, tree_flatten(grads)
@@ -726,10 +719,10 @@ def test_reference_in_the_step_equals_the_precomputed_pass(smollm2_top4, caplog)
     batch = (prompts, plens, responses, rlens, refs)
     for training in (False, True):  # validation / test, then the training step
         model.train(training)
-        a, b = in_step(model, *_first_read(batch)), pre(model, *batch)
+        a, b = in_step(model, *pairs.unread(batch)), pre(model, *batch)
         assert a[0].item() == pytest.approx(b[0].item(), rel=1e-5, abs=1e-6)
         assert near(a[2], b[2], 1e-5) and a[1].item() == b[1].item()
-    (va, ga), (vb, gb) = _grads(model, in_step, _first_read(batch)), _grads(model, pre, batch)
+    (va, ga), (vb, gb) = _grads(model, in_step, pairs.unread(batch)), _grads(model, pre, batch)
     assert va.item() == pytest.approx(vb.item(), rel=1e-5) and len(ga) == len(gb) > 0
     for (ka, xa), (kb, xb) in zip(ga, gb, strict=True):
         assert ka == kb and near(xa, xb, 1e-5), ka
@@ -750,7 +743,7 @@ def test_reference_in_the_step_across_layouts(arch, share_prompt, dora, caplog):
     assert "reference log-probs in the step" in said and "top 2 of 3 layers" in said, said
     batch = pairs.collate(data.pairs)
     model.train()
-    (va, ga), (vb, gb) = _grads(model, in_step, _first_read(batch)), _grads(model, pre, batch)
+    (va, ga), (vb, gb) = _grads(model, in_step, pairs.unread(batch)), _grads(model, pre, batch)
     assert va.item() == pytest.approx(vb.item(), rel=1e-5)
     for (_, xa), (_, xb) in zip(ga, gb, strict=True):
         assert near(xa, xb, 1e-5)
@@ -833,7 +826,7 @@ def test_reference_in_the_step_costs_base_layers_and_no_backward(tmp_path):
     batch = pairs.collate(data.pairs)
     model.train()
     forward, step = [], []
-    for loss, b in ((in_step, _first_read(batch)), (pre, batch)):
+    for loss, b in ((in_step, pairs.unread(batch)), (pre, batch)):
         forward.append(_matmuls(tmp_path, loss(model, *b)[0]))
         value, grads = nn.value_and_grad(model, lambda m, *x, f=loss: f(m, *x)[0])(model, *b)
         step.append(_matmuls(tmp_path, value, *(g for _, g in tree_flatten(grads))))
@@ -879,7 +872,7 @@ def test_reference_kept_from_the_step_that_first_reads_each_pair(tmp_path, caplo
     batch = pairs.collate(data.pairs[:2])
     pre = preference.make_loss(model, "dpo", backend="mlx", precompute=True)
     assert _matmuls(tmp_path, loss(model, *batch)[0]) == _matmuls(tmp_path, pre(model, *batch)[0])
-    assert _matmuls(tmp_path, loss(model, *_first_read(batch))[0]) > _matmuls(
+    assert _matmuls(tmp_path, loss(model, *pairs.unread(batch))[0]) > _matmuls(
         tmp_path, pre(model, *batch)[0]
     )
     model.train(False)
