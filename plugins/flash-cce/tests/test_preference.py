@@ -17,18 +17,11 @@ from mlx_lm_ext.testing import tiny_config
 from mlx_lm_flash_cce import objectives, pairs, preference, shared_prompt
 
 VOCAB = 512
+# The tiny llama's shape, for the architectures mlx_lm_ext.testing has none of.
 _BASE = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": VOCAB,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": True,
+    k: v
+    for k, v in tiny_config("llama", vocab_size=VOCAB, max_position_embeddings=512).items()
+    if k != "model_type"
 }
 # Every architecture flash-cce's registry names (mlx_lm_ext.backbone.ARCHS).
 CONFIGS = {
