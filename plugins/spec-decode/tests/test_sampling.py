@@ -74,6 +74,16 @@ def target_probs(model, seq, filt, processors, n_context):
     return {i: v for i, v in enumerate(pl) if v > 1e-9}
 
 
+def second_probs(model, prompt, filt, processors, first):
+    """The second emitted token's exact distribution: its marginal under the
+    target, mixing over ``first`` (the first token's, ``target_probs``)."""
+    p2 = Counter()
+    for t1, q1 in first.items():
+        for t2, q2 in target_probs(model, prompt + [t1], filt, processors, 2).items():
+            p2[t2] += q1 * q2
+    return dict(p2)
+
+
 def run(model, drafter, prompt, sampler, processors):
     cache = make_prompt_cache(model) + drafter.make_cache()
     model(mx.array(prompt[:-1])[None], cache=cache[: len(model.layers)])
@@ -149,15 +159,10 @@ def test_speculative_sampling_matches_target_distribution(tiny_llama, tiny_draft
     first, pairs = run(model, drafter, prompt, sampler, processors)
     stat, df = chi2(first, p1, N)
     assert stat < chi2_critical(df), (case, "first token", stat, df)
-    # Second token: its marginal under the target, mixing over the first.
-    p2 = Counter()
-    for t1, q1 in p1.items():
-        for t2, q2 in target_probs(model, prompt + [t1], filt, processors, 2).items():
-            p2[t2] += q1 * q2
     second = Counter()
     for (_, t2), c in pairs.items():
         second[t2] += c
-    stat, df = chi2(second, dict(p2), N)
+    stat, df = chi2(second, second_probs(model, prompt, filt, processors, p1), N)
     assert stat < chi2_critical(df), (case, "second token", stat, df)
 
 
