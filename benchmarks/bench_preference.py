@@ -69,8 +69,16 @@ METHODS = ("orpo stock", "orpo mlx-lm-lora", "orpo flash-cce", "dpo mlx-lm-lora"
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def _load(model_name, dtype):
-    """``(model, token ids of real text or None)``."""
+def _load(model_name, dtype, standin=None):
+    """``(model, token ids of real text or None)``; ``standin``: the arguments of
+    ``common.add_target_args``, whose stand-in replaces ``model_name`` if given."""
+    import sysconfig
+    from pathlib import Path
+
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
+    if standin is not None and standin.standin:
+        model, tok = common.load_target(standin, dtype)
+        return model, tok.encode(text)
     if model_name == "random-llama-1b":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_flash_cce import random_llama  # noqa: E402  (a sibling script)
@@ -78,9 +86,6 @@ def _load(model_name, dtype):
         model = random_llama()
         model.set_dtype(DTYPES[dtype])
         return model, None
-    import sysconfig
-    from pathlib import Path
-
     from mlx_lm import load
 
     from mlx_lm_ext import models
@@ -88,7 +93,6 @@ def _load(model_name, dtype):
     model, tok = load(str(models.build(model_name, progress=False)))
     if dtype != "float32":
         model.set_dtype(DTYPES[dtype])
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
     return model, tok.encode(text)
 
 
@@ -248,14 +252,14 @@ def _compiled_step(model, loss):
     return run
 
 
-def one_method(method, model_name, dtype, n_pairs, prompt, response, layers, repeats):
+def one_method(method, model_name, dtype, n_pairs, prompt, response, layers, repeats, standin=None):
     """In a fresh process: the compiled step's time and peak memory; for ``dpo flash-cce``
     the step with the reference in it, the reference pass and the bare forward too,
     interleaved with the steps (each round: pass, forward, in-step reference step, step),
     so that the machine's load falls on all four."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    model, ids = _load(model_name, dtype)
+    model, ids = _load(model_name, dtype, standin)
     vocab = model(mx.zeros((1, 1), mx.int32)).shape[-1]
     rows = _pairs(ids, vocab, n_pairs, prompt, response)
     model.freeze()
@@ -310,6 +314,8 @@ def _run_one(a, method, prompt, layers):
     cmd = [sys.executable, __file__, "--_one", method, str(prompt), str(a.response)]
     cmd += ["--model", a.model, "--dtype", a.dtype, "--pairs", str(a.pairs)]
     cmd += ["--layers", str(layers), "--repeats", str(a.repeats)]
+    if a.standin:
+        cmd += ["--standin", str(a.standin), "--standin-layers", str(a.standin_layers)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         print(proc.stderr[-2000:])
@@ -508,8 +514,11 @@ def main():
     p.add_argument(
         "--_one", nargs=3, metavar=("METHOD", "PROMPT", "RESPONSE"), help=argparse.SUPPRESS
     )
+    common.add_target_args(p)
     a = p.parse_args()
     common.print_header()
+    if a.standin and a.model != p.get_default("model"):
+        p.error("give --model or --standin, not both")
     if a.pairs < 1 or a.response < 1 or a.repeats < 1:
         p.error("--pairs, --response and --repeats must be positive")
     if a.layers == 0 or a.layers < -1:
@@ -526,14 +535,15 @@ def main():
         p.error(f"--methods: each of {', '.join(METHODS)}, got {a.methods}")
     if a._one:
         method, prompt, response = a._one[0], int(a._one[1]), int(a._one[2])
-        r = one_method(method, a.model, a.dtype, a.pairs, prompt, response, a.layers, a.repeats)
+        r = one_method(method, a.model, a.dtype, a.pairs, prompt, response, a.layers, a.repeats, a)
         r["steps"] = [list(s[:3]) + [s[3]] for s in r["steps"]]
         print(json.dumps(r))
         return
     lora = _have_mlx_lm_lora()
+    name = common.target_name(a, a.dtype) if a.standin else f"{a.model} {a.dtype}"
     print(
         f"preference step (LoRA on {_layers_name(a.layers)} layers, dpo flash-cce at "
-        f"{', '.join(map(_layers_name, a.dpo_layers))}; Adam, compiled): {a.model} {a.dtype}, "
+        f"{', '.join(map(_layers_name, a.dpo_layers))}; Adam, compiled): {name}, "
         f"{a.pairs} pairs per batch, {a.response} tokens per response, device "
         f"{mx.default_device()}; {lora}; fresh process per method, median of {a.repeats} "
         "rounds after a compiling one; in-step s: the DPO step with the reference in the "
