@@ -158,7 +158,7 @@ class VerifyLoop:
         self.split = self._split()
         self.attention = target_mod.attention_policy()  # a bad MLX_LM_SPEC_ATTENTION fails here
         self.widths = target_mod.window_widths()  # chains padded up to these (a GPU)
-        self.behind = target_mod.drafts_behind()  # next drafts queued behind a verify (a GPU)
+        self.behind = target_mod.drafts_behind()  # next drafts queued behind a verify (opt-in)
         self.ctx = DraftContext(
             model, self.target_cache, dcache, temp=self.rule.temp or 0.0, filter=self.rule.filt
         )

@@ -84,15 +84,16 @@ def window_widths() -> tuple:
 
 def drafts_behind() -> bool:
     """Whether the serial loop queues a drafter's next drafts behind a
-    verify before reading it (``VerifyLoop._draft_behind``): on a GPU,
-    which runs them while the host reads the verify and builds the next
-    forward; on a CPU the draft steps take the cores the host needs, and
-    a step a round turns out not to use is lost. MLX_LM_SPEC_BEHIND=on|off
-    overrides."""
-    how = os.environ.get("MLX_LM_SPEC_BEHIND", "auto").strip().lower() or "auto"
-    if how not in ("auto", "on", "off"):
-        raise ValueError(f"MLX_LM_SPEC_BEHIND must be auto, on or off; got {how!r}")
-    return _on_gpu() if how == "auto" else how == "on"
+    verify before reading it (``VerifyLoop._draft_behind``), so that the
+    device runs them while the host reads the verify and builds the next
+    forward. Off unless MLX_LM_SPEC_BEHIND=on: on an H100 it read no
+    faster (the host still builds every draft step, only earlier), and on
+    a CPU the draft steps take the cores the host needs and a step a
+    round does not use is lost."""
+    how = os.environ.get("MLX_LM_SPEC_BEHIND", "off").strip().lower() or "off"
+    if how not in ("on", "off"):
+        raise ValueError(f"MLX_LM_SPEC_BEHIND must be on or off; got {how!r}")
+    return how == "on"
 
 
 def padded_width(width: int, widths: tuple, rows: int = 1) -> int:

@@ -363,7 +363,7 @@ def test_token_trees_are_stock_and_keep_the_drafters_inputs(llama, trained, monk
 
 
 def test_rollback_keeps_drafter_and_target_consistent(llama, trained, monkeypatch):
-    monkeypatch.setenv("MLX_LM_SPEC_BEHIND", "on")  # a GPU's default
+    monkeypatch.setenv("MLX_LM_SPEC_BEHIND", "on")  # opt-in: its drafts are checked too
     model, tok = llama
     d, prompt, *_ = trained
     for text in ("one two three four five six seven eight nine ten", "the quick brown fox"):
@@ -378,6 +378,26 @@ def test_rollback_keeps_drafter_and_target_consistent(llama, trained, monkeypatc
         # verify (before the host reads it), and those drafts are checked
         # against a fresh prefill like any other.
         assert c.behind > 0
+
+
+def test_drafts_behind_the_verify_are_opt_in(llama, trained, monkeypatch):
+    """Off unless MLX_LM_SPEC_BEHIND=on (measured no faster on a GPU): the
+    drafts are made after the host reads each verify; a bad value is an error."""
+    model, tok = llama
+    d, *_ = trained
+    p = prompt_of(tok, "one two three four five six seven eight nine ten")
+    for env in (None, "off", ""):
+        if env is None:
+            monkeypatch.delenv("MLX_LM_SPEC_BEHIND", raising=False)
+        else:
+            monkeypatch.setenv("MLX_LM_SPEC_BEHIND", env)
+        c = Checked(d, target_mod.split(model), [])
+        c.auto_off = False
+        assert spec(model, c, p, 20, k=4) == stock(model, p, 20)
+        assert c.checks > 0 and c.behind == 0
+    monkeypatch.setenv("MLX_LM_SPEC_BEHIND", "auto")
+    with pytest.raises(ValueError, match="MLX_LM_SPEC_BEHIND must be on or off"):
+        target_mod.drafts_behind()
 
 
 def test_stops_leave_exact_caches(llama, trained):
