@@ -72,13 +72,9 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 def _load(model_name, dtype, standin=None):
     """``(model, token ids of real text or None)``; ``standin``: the arguments of
     ``common.add_target_args``, whose stand-in replaces ``model_name`` if given."""
-    import sysconfig
-    from pathlib import Path
-
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
     if standin is not None and standin.standin:
         model, tok = common.load_target(standin, dtype)
-        return model, tok.encode(text)
+        return model, tok.encode(_text())
     if model_name == "random-llama-1b":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_flash_cce import random_llama  # noqa: E402  (a sibling script)
@@ -93,7 +89,15 @@ def _load(model_name, dtype, standin=None):
     model, tok = load(str(models.build(model_name, progress=False)))
     if dtype != "float32":
         model.set_dtype(DTYPES[dtype])
-    return model, tok.encode(text)
+    return model, tok.encode(_text())
+
+
+def _text():
+    """Real text the pairs are cut from: CPython's ``LICENSE.txt``."""
+    import sysconfig
+    from pathlib import Path
+
+    return (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
 
 
 def _pairs(ids, vocab, n_pairs, prompt, response):

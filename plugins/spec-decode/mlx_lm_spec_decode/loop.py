@@ -347,14 +347,14 @@ class VerifyLoop:
         proposes them next if that round starts where this one leaves off.
         Returns the window's log-probabilities and draws for ``_check``
         (None: not built here)."""
+        # Not while the controller times fresh drafts: drafts made behind
+        # would read as free.
+        if not self.behind or self.ctl.time_draft():
+            return None
         win, logits, hidden, fed = queued
         after = getattr(self.drafter, "draft_after", None)
         end = _offset(self.target_cache)
         if after is None or hidden is None or end is None or self.rule.kind != "greedy":
-            return None
-        # Not while the controller times fresh drafts: drafts made behind
-        # would read as free.
-        if not self.behind or self.ctl.time_draft():
             return None
         lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), win.tokens)
         drawn = sampling.draws(win, lp, self.rule)
