@@ -13,7 +13,10 @@ GPU). Methods, each on the same prompts, greedy, one after the other:
 - ``draft-model``: spec-decode with the native 4-bit copy of the model drafting;
 - ``assistant``: spec-decode with the trained assistant drafter (``--drafter-path``);
 - ``assistant-tree`` (only when named in ``--methods``): the same drafter
-  growing token trees (``AssistantDrafter(tree=True)``).
+  growing token trees (``AssistantDrafter(tree=True)``);
+- ``ngram+assistant`` (only when named): prompt lookup's copy where the
+  text matches, the assistant's drafts elsewhere (``--draft-lookup``,
+  ``LookupFirst``).
 
 Prompts: input-grounded (edit a function from CPython's stdlib; answer with
 quotes from a given passage) and open-ended chat (held out: not the
@@ -306,6 +309,11 @@ def main():
     if "assistant" in methods:
         made = load_assistant(args, args.drafter_path, target)
         drafters["assistant"] = lambda: made
+    if "ngram+assistant" in methods:  # --drafter assistant --draft-lookup
+        paired = sd.LookupFirst(
+            load_assistant(args, args.drafter_path, target), sd.NGramDrafter(tree=False)
+        )
+        drafters["ngram+assistant"] = lambda: paired
     if "assistant-tree" in methods:  # the same drafter growing token trees
         trees = load_assistant(args, args.drafter_path, target, tree=True)
         drafters["assistant-tree"] = lambda: trees

@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 from .draft_model import DraftModelDrafter, VocabularyMismatch, check_vocab
 from .drafter import DraftContext, Drafter, DrafterProtocol
+from .lookup import LookupFirst
 from .loop import speculative_generate_step
 from .ngram import NGramCache, NGramDrafter
 from .stats import SpecStats
@@ -32,6 +33,7 @@ __all__ = [
     "SuffixCache",
     "SuffixCorpus",
     "DraftModelDrafter",
+    "LookupFirst",
     "VocabularyMismatch",
     "check_vocab",
     "speculative_generate_step",

@@ -121,6 +121,12 @@ class Controller(policy.Policy):
         """The drafter computes nothing on the device (n-gram lookup)."""
         self.timed = 2
 
+    def computed_drafts(self) -> None:
+        """Drafts computed on the device after free ones (a lookup first,
+        then a model): the model's steps are timed from here on."""
+        if self.draft_step is None:
+            self.timed = 0
+
     def drafted(self, k: int, seconds: float) -> None:
         # The fastest timed draft: a process's first one also builds the
         # draft model's kernels, and would switch a paying drafter off.
@@ -136,20 +142,28 @@ class Controller(policy.Policy):
     # -------------------------------------------------- a round reported
 
     def update(
-        self, k: int, a: int, dt: float, trials: Optional[int] = None, timed: bool = True
+        self,
+        k: int,
+        a: int,
+        dt: float,
+        trials: Optional[int] = None,
+        timed: bool = True,
+        free: bool = False,
     ) -> None:
         """A round drafted ``k`` tokens (0: a plain step), kept ``a``, took
         ``dt`` seconds (``trials``: a branching token tree's, the drafts its
         accepted path met: ``a``, and one more where a draft was rejected;
         the acceptance rate is per draft on a path, not per node; ``timed``:
         False where its forward ran behind a plain step, so ``dt`` is what
-        it added to the run, not what a verify costs)."""
+        it added to the run, not what a verify costs; ``free``: its drafts
+        cost nothing to draft, a lookup's, where the drafter also computes
+        some)."""
         if k == 0:
             self.plain_step(1, dt)
             return
         self.drafting_rounds += 1
         tree = trials is not None
-        drafting = k * self._draft()
+        drafting = 0.0 if free else k * self._draft()
         self.verify_round(1, self.width(k + 1), dt, tree, a + 1, timed, drafting)
         self.acceptance.observe(trials if tree else k, a)
         if self.adaptive:

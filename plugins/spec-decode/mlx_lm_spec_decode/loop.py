@@ -184,6 +184,8 @@ class VerifyLoop:
         self.warned = False
         self.misses = 0  # drafting rounds in a row with nothing proposed
         self.free = False  # the drafter computes nothing on the device (lists of ids)
+        self.computed = False  # it drafted on the device at least once (an array)
+        self.round_free = False  # this round's drafts cost nothing to draft (a list)
         self.start = _offset(self.target_cache)
         self.trees = tree_verify.TreeRounds.start(self)  # None: chains only
 
@@ -319,6 +321,7 @@ class VerifyLoop:
         if getattr(self.drafter, "sizes_drafts", False):
             k_req = min(self.ctl.gmax, limit)
         self.ctx.verify_cost = self.ctl.verify_cost()
+        self.round_free = False
         if self.trees is not None and self.trees.grows(self.ctx.verify_cost):
             # A branching tree is verified there.
             drafts, q = self.trees.draft(k_req, limit)
@@ -401,7 +404,7 @@ class VerifyLoop:
         st.drafted += k
         st.accepted += a
         st.drafting_round(len(out), dt)
-        self.ctl.update(k, a, dt, trials, timed)
+        self.ctl.update(k, a, dt, trials, timed, free=self.round_free)
         st.gamma = self.ctl.gamma
         self.drafter.accept(self.ctx, out, a)
         self.told += len(out)
@@ -438,13 +441,21 @@ class VerifyLoop:
         return room
 
     def _draft(self, k_req, t0):
-        """The drafter's proposal as an array, and its probabilities (or None)."""
+        """The drafter's proposal as an array, and its probabilities (or None).
+        A list of ids cost nothing to draft (a lookup); an array was computed
+        on the device, and once one was, the drafter is never taken for a
+        free one (``LookupFirst`` returns both kinds)."""
         drafts, q = self.drafter.draft(self.ctx, k_req)
-        if not isinstance(drafts, mx.array):
-            self.ctl.free_drafts()
-            self.free = True
-            drafts = mx.array(drafts, mx.uint32)
-        elif drafts.size and self.ctl.time_draft():
+        self.round_free = not isinstance(drafts, mx.array)
+        if self.round_free:
+            if not self.computed:
+                self.ctl.free_drafts()
+                self.free = True
+            return mx.array(drafts, mx.uint32), q
+        if not self.computed:
+            self.computed, self.free = True, False
+            self.ctl.computed_drafts()
+        if drafts.size and self.ctl.time_draft():
             # A drafter that computes (a draft model): time its steps.
             mx.eval(drafts)
             self.ctl.drafted(drafts.size, time.perf_counter() - t0)

@@ -24,6 +24,7 @@ from mlx_lm_ext.api import PluginError, hookimpl
 
 from .draft_model import DraftModelDrafter, VocabularyMismatch
 from .drafter import Drafter
+from .lookup import LookupFirst
 from .ngram import NGramDrafter
 from .suffix import DEFAULT_CORPUS_TOKENS, SuffixDrafter
 
@@ -101,6 +102,13 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         "only ever one chain ('off'). Default: auto.",
     )
     group.add_argument(
+        "--draft-lookup",
+        action="store_true",
+        help="With a model drafter (draft-model, assistant): propose the prompt lookup's "
+        "copy where an n-gram of the text matches (--ngram-min/--ngram-max), and the "
+        "model's drafts only where none does.",
+    )
+    group.add_argument(
         "--no-auto-off",
         action="store_true",
         help="Keep drafting even when it measures slower than plain decoding.",
@@ -149,6 +157,16 @@ def _check(args):
         raise PluginError(
             "--drafter draft-model needs --draft-model PATH "
             "(a smaller model with the same tokenizer)"
+        )
+    if getattr(args, "draft_lookup", False) and _which(
+        args, getattr(args, "draft_model", None)
+    ) in (
+        "ngram",
+        "suffix",
+    ):
+        raise PluginError(
+            "--draft-lookup adds prompt lookup to a model drafter: use it with "
+            "--drafter draft-model or --drafter assistant"
         )
     if drafter == "assistant" and not getattr(args, "drafter_path", None):
         raise PluginError(
@@ -209,11 +227,10 @@ def _options(args, which):
 @hookimpl
 def status_options(options: argparse.Namespace) -> Dict[str, Any]:
     """What the unset flags resolve to, for ``/status`` (as ``make_drafter`` resolves them)."""
-    which = getattr(options, "drafter", None) or (
-        "draft-model" if getattr(options, "draft_model", None) else "ngram"
-    )
+    which = _which(options, getattr(options, "draft_model", None))
+    lookup = getattr(options, "draft_lookup", False) and which not in ("ngram", "suffix")
     return {
-        "drafter": which,
+        "drafter": f"ngram+{which}" if lookup else which,
         "draft_max": _options(options, which)["max_draft"],
         "num_draft_tokens": getattr(options, "num_draft_tokens", None) or 3,
     }
@@ -231,9 +248,22 @@ def make_drafter(
     args = args if args is not None else options
     if command == "python" and _callers_own(draft_model, args):
         return None  # the draft_model the caller passed, as it is
-    which = getattr(args, "drafter", None) or (
-        "draft-model" if draft_model is not None else "ngram"
+    which = _which(args, draft_model)
+    drafter = _drafter(command, which, model, tokenizer, draft_model, args)
+    if not getattr(args, "draft_lookup", False) or which in ("ngram", "suffix"):
+        return drafter
+    lookup = NGramDrafter(
+        n_max=args.ngram_max, n_min=args.ngram_min, tree=False, **_options(args, "ngram")
     )
+    return LookupFirst(drafter, lookup)
+
+
+def _which(args, draft_model):
+    """The drafter's name: ``--drafter``, else draft-model where there is one, else ngram."""
+    return getattr(args, "drafter", None) or ("draft-model" if draft_model is not None else "ngram")
+
+
+def _drafter(command, which, model, tokenizer, draft_model, args):
     opts = _options(args, which)
     tree = getattr(args, "draft_tree", "auto") != "off"
     if which == "assistant":

@@ -1,0 +1,87 @@
+"""Prompt lookup first, a model drafter where nothing matches (``--draft-lookup``).
+
+A model drafter (the assistant, a draft model) guesses every token at the
+price of its draft steps; prompt lookup guesses only where the text copies
+its context, and there for free and often for many tokens at once. Each is
+bounded where the other is strong: on text that quotes its input, n-gram
+lookup stops at what it can copy (``bench_drafting_ceiling.py``), and the
+model drafter's per-token guesses miss the long copies. ``LookupFirst``
+asks the lookup first and the model drafter only where the lookup proposes
+nothing, so a round's drafts are a copy where one matches and the model's
+guess elsewhere (as SuffixDecoding pairs a suffix index with a model
+speculator).
+
+Both drafters see the whole history: each keeps its own caches (the
+lookup's after the target's, then the model drafter's) and its own
+scratch state, and is told which round's drafts were its own, so the
+model drafter's caches roll back only what it drafted. The lookup's drafts
+come back as lists of ids and the model's as device arrays: the verify loop
+prices a round's drafting from that (a list costs nothing to draft).
+"""
+
+import dataclasses
+from typing import Any, List, Optional
+
+from .drafter import DraftContext, Drafter
+
+LOOKUP, MODEL = "lookup", "model"
+
+
+class LookupFirst(Drafter):
+    """``lookup``'s drafts where it proposes any, else ``model``'s."""
+
+    adaptive = True
+    auto_off = True
+    batches = False  # a model drafter reads the target's caches or runs its own model
+    tree = False  # chains: a round's drafts come from one of the two
+
+    def __init__(self, model: Drafter, lookup: Drafter):
+        if model.needs_hidden and lookup.needs_hidden:
+            raise ValueError("only the model drafter of a LookupFirst may read hidden states")
+        self.model, self.lookup = model, lookup
+        self.name = f"{lookup.name}+{model.name}"
+        self.max_draft = max(model.max_draft, lookup.max_draft)
+        self.needs_hidden = model.needs_hidden
+        self.adaptive, self.auto_off = model.adaptive, model.auto_off
+        self._split = len(lookup.make_cache())
+
+    def __repr__(self) -> str:
+        return f"LookupFirst({self.lookup!r}, {self.model!r})"
+
+    def make_cache(self) -> List[Any]:
+        return self.lookup.make_cache() + self.model.make_cache()
+
+    def cache_ok(self, caches: List[Any]) -> bool:
+        n = self._split
+        return self.lookup.cache_ok(caches[:n]) and self.model.cache_ok(caches[n:])
+
+    def _ctx(self, ctx: DraftContext, which: str) -> DraftContext:
+        """The context one drafter sees: its own caches and scratch state."""
+        caches = ctx.cache[: self._split] if which == LOOKUP else ctx.cache[self._split :]
+        return dataclasses.replace(ctx, cache=caches, state=ctx.state.setdefault(which, {}))
+
+    def prefill(self, ctx: DraftContext, tokens: List[int]) -> None:
+        self.lookup.prefill(self._ctx(ctx, LOOKUP), tokens)
+        self.model.prefill(self._ctx(ctx, MODEL), tokens)
+
+    def draft(self, ctx: DraftContext, n: int) -> "tuple[Any, Optional[Any]]":
+        drafts, probs = self.lookup.draft(self._ctx(ctx, LOOKUP), min(n, self.lookup.max_draft))
+        if len(drafts):
+            ctx.state["drafted_by"] = LOOKUP
+            return drafts, probs
+        ctx.state["drafted_by"] = MODEL
+        return self.model.draft(self._ctx(ctx, MODEL), min(n, self.model.max_draft))
+
+    def accept(self, ctx: DraftContext, tokens: List[int], n_drafted: int) -> None:
+        # Each is told of its own drafts only: the other drafted nothing.
+        by = ctx.state.pop("drafted_by", None)
+        self.lookup.accept(self._ctx(ctx, LOOKUP), tokens, n_drafted if by == LOOKUP else 0)
+        self.model.accept(self._ctx(ctx, MODEL), tokens, n_drafted if by == MODEL else 0)
+
+    def trim(self, ctx: DraftContext, n: int) -> None:
+        self.lookup.trim(self._ctx(ctx, LOOKUP), n)
+        self.model.trim(self._ctx(ctx, MODEL), n)
+
+    def flush(self, ctx: DraftContext) -> None:
+        self.lookup.flush(self._ctx(ctx, LOOKUP))
+        self.model.flush(self._ctx(ctx, MODEL))

@@ -1,0 +1,117 @@
+"""``LookupFirst`` (``--draft-lookup``): the prompt lookup's copy where the
+text matches, a model drafter's guess elsewhere; exact output and caches."""
+
+import argparse
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from test_loop import assert_exact, spec, stock
+
+from mlx_lm_ext.api import PluginError
+from mlx_lm_spec_decode import DraftModelDrafter, LookupFirst, NGramDrafter, last_stats
+from mlx_lm_spec_decode import plugin as plugin_mod
+from mlx_lm_spec_decode.drafter import DraftContext
+from mlx_lm_spec_decode.loop import n_target_caches
+
+
+class Counted:
+    """A drafter's proposals counted: rounds it proposed in."""
+
+    def __init__(self, base, limit=None):
+        self.base, self.limit, self.proposed = base, limit, 0
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def draft(self, ctx, n):
+        if self.limit is not None and self.proposed >= self.limit:
+            return [], None
+        drafts, probs = self.base.draft(ctx, n)
+        self.proposed += len(drafts) > 0
+        return drafts, probs
+
+
+def test_a_round_drafts_the_copy_where_the_text_matches_else_the_models_guess(tiny_llama):
+    model, tok = tiny_llama
+    drafter = LookupFirst(DraftModelDrafter(model), NGramDrafter(n_min=2))
+    ctx = DraftContext(model, make_prompt_cache(model), drafter.make_cache())
+    drafter.prefill(ctx, [5, 6, 7, 8, 9, 5, 6])
+    copy, _ = drafter.draft(ctx, 3)
+    assert list(copy) == [7, 8]  # what followed "5 6" before: a list, free to draft
+    drafter.accept(ctx, [7, 8, 11], 2)
+    guess, _ = drafter.draft(ctx, 3)  # "8 11" never occurred: the draft model's steps
+    assert isinstance(guess, mx.array) and guess.size == 3
+    drafter.accept(ctx, [12], 0)
+    drafter.flush(ctx)
+    # Each drafter's caches hold the whole history, the model's drafts rolled back.
+    history = [5, 6, 7, 8, 9, 5, 6, 7, 8, 11, 12]
+    assert ctx.cache[0].tokens == history
+    assert_exact(model, ctx.cache[1:], history)
+
+
+def test_greedy_output_and_caches_equal_stocks(tiny_llama, tiny_draft, repetitive_prompt):
+    """Both drafters propose in one request (the lookup only in its first
+    rounds), the output is stock's, and every cache holds exactly prompt
+    plus output."""
+    model, tok = tiny_llama
+    prompt = mx.array(repetitive_prompt(tok).tolist() + tok.encode(" an unrelated end"))
+    lookup = Counted(NGramDrafter(n_min=1), limit=3)
+    drafted = Counted(DraftModelDrafter(tiny_draft, auto_off=False))
+    drafter = LookupFirst(drafted, lookup)
+    cache = make_prompt_cache(model) + drafter.make_cache()
+    out = spec(model, drafter, prompt, 40, cache=cache)
+    assert out == stock(model, prompt, 40)
+    assert lookup.proposed == 3 and drafted.proposed > 0, (lookup.proposed, drafted.proposed)
+    s = last_stats()
+    assert s.drafter == "ngram+draft-model" and s.drafted > 0
+    seq = prompt.tolist() + out
+    n_t = n_target_caches(model)
+    assert_exact(model, cache[:n_t], seq)
+    assert cache[n_t].tokens == seq  # the lookup's index
+    assert_exact(tiny_draft, cache[n_t + 1 :], seq)  # the draft model's
+
+
+def test_a_lookup_round_is_priced_as_its_verify_alone():
+    """A drafter that looks some drafts up (free) and computes others (a
+    model's steps): the model's steps are timed once it computes, though
+    lookups came first, and a lookup round's seconds are all its verify's,
+    where a model round's are its verify's and its draft steps'."""
+    from mlx_lm_spec_decode.controller import Controller
+
+    verify = {}
+    for free in (True, False):
+        ctl = Controller(3, 10)
+        ctl.free_drafts()  # a lookup round first
+        assert not ctl.time_draft()
+        ctl.computed_drafts()  # then the model's: its steps are timed
+        assert ctl.time_draft()
+        ctl.drafted(3, 0.3)  # 0.1 s a draft step
+        for _ in range(2):
+            ctl.update(0, 0, 1.0)  # plain steps of 1 s
+        for _ in range(4):
+            ctl.update(3, 3, 1.5, free=free)  # rounds of 1.5 s over 4 tokens
+        a, b = ctl.verify_cost()
+        verify[free] = a + 4 * b  # a 4-token verify, in plain steps
+    assert verify[True] == pytest.approx(1.5) and verify[False] == pytest.approx(1.2)
+
+
+def _args(**kw):
+    base = dict(drafter=None, draft_model=None, draft_lookup=True, ngram_min=2, ngram_max=4)
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "suffix"])
+def test_draft_lookup_needs_a_model_drafter(drafter):
+    with pytest.raises(PluginError, match="--draft-lookup adds prompt lookup to a model drafter"):
+        plugin_mod.activate("generate", _args(drafter=drafter))
+
+
+def test_draft_lookup_wraps_the_draft_model(tiny_llama, tiny_draft):
+    model, tok = tiny_llama
+    args = _args(drafter="draft-model", draft_model="unused")
+    plugin_mod.activate("generate", args)
+    drafter = plugin_mod.make_drafter("generate", model, tok, tiny_draft, args, args)
+    assert isinstance(drafter, LookupFirst) and drafter.name == "ngram+draft-model"
+    assert isinstance(drafter.model, DraftModelDrafter) and not drafter.batches
+    assert plugin_mod.status_options(args)["drafter"] == "ngram+draft-model"
