@@ -134,6 +134,12 @@ class Controller(policy.Policy):
         step = seconds / k
         self.draft_step = step if self.draft_step is None else min(self.draft_step, step)
 
+    def draft_cost(self) -> Optional[float]:
+        """Plain steps a drafted token costs (a draft model's step); None
+        until both are timed."""
+        p = self.plain_cost(1)
+        return None if self.draft_step is None or not p else self.draft_step / p
+
     def _draft(self) -> float:
         """Seconds a drafted token costs (a draft model's step): paid per
         draft, while a padded window's columns cost the same at any length."""

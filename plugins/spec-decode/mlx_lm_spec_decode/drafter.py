@@ -46,7 +46,8 @@ the adaptive draft length), ``needs_hidden``, ``adaptive`` and ``auto_off``
 (the loop's draft-length adaptation and measured switch-off, both on by
 default), ``sizes_drafts`` (the loop asks for up to ``max_draft`` tokens
 and the drafter chooses each draft's length, e.g. from its confidence and
-``ctx.verify_cost``), and ``batches``: whether the server's batched path may run it,
+``ctx.verify_cost``; ``ctx.draft_cost`` is what one of its drafted tokens
+cost, in plain steps, where it computes them), and ``batches``: whether the server's batched path may run it,
 one ``DraftContext`` per row with ``target_cache`` ``None`` and no
 ``hidden`` (a drafter that reads neither, and proposes without ``probs``).
 
@@ -83,6 +84,8 @@ class DraftContext:
     # (a, b): a verify over w tokens costs about a + b * w plain steps, as
     # measured by the loop (None: not yet, or no loop measures it)
     verify_cost: Optional[tuple] = None
+    # plain steps a drafted token of a computing drafter costs (None: not timed)
+    draft_cost: Optional[float] = None
     # per-request scratch space for the drafter (pending tokens etc.)
     state: dict = field(default_factory=dict)
 

@@ -11,6 +11,15 @@ nothing, so a round's drafts are a copy where one matches and the model's
 guess elsewhere (as SuffixDecoding pairs a suffix index with a model
 speculator).
 
+Where the lookup has nothing, the model drafts only while its rounds pay
+at their measured price (``policy.drafting_pays``: the model's own
+acceptance in this request, the loop's verify cost and draft step in plain
+steps), and once every ``PROBE`` tokens to learn its acceptance anew;
+otherwise the round proposes nothing and the loop runs plain steps. So a
+model drafter too dear for the device (a CPU's, a small target's) leaves
+the lookup drafting as if alone, instead of the loop switching drafting
+off for both.
+
 Both drafters see the whole history: each keeps its own caches (the
 lookup's after the target's, then the model drafter's) and its own
 scratch state, and is told which round's drafts were its own, so the
@@ -22,9 +31,11 @@ prices a round's drafting from that (a list costs nothing to draft).
 import dataclasses
 from typing import Any, List, Optional
 
+from . import policy
 from .drafter import DraftContext, Drafter
 
 LOOKUP, MODEL = "lookup", "model"
+PROBE = 32  # tokens without a model round before one drafts anyway (its acceptance)
 
 
 class LookupFirst(Drafter):
@@ -67,14 +78,34 @@ class LookupFirst(Drafter):
     def draft(self, ctx: DraftContext, n: int) -> "tuple[Any, Optional[Any]]":
         drafts, probs = self.lookup.draft(self._ctx(ctx, LOOKUP), min(n, self.lookup.max_draft))
         if len(drafts):
-            ctx.state["drafted_by"] = LOOKUP
+            ctx.state["drafted"] = (LOOKUP, len(drafts))
             return drafts, probs
-        ctx.state["drafted_by"] = MODEL
-        return self.model.draft(self._ctx(ctx, MODEL), min(n, self.model.max_draft))
+        if not self._model_pays(ctx):
+            ctx.state["drafted"] = None
+            return [], None
+        drafts, probs = self.model.draft(self._ctx(ctx, MODEL), min(n, self.model.max_draft))
+        ctx.state["drafted"] = (MODEL, len(drafts))
+        ctx.state["idle"] = 0
+        return drafts, probs
+
+    def _model_pays(self, ctx: DraftContext) -> bool:
+        """Whether the model drafts this round: its rounds pay at its
+        acceptance, or their price is not measured yet, or it is time to
+        probe its acceptance again."""
+        if ctx.verify_cost is None or ctx.draft_cost is None:
+            return True
+        if ctx.state.get("idle", 0) >= PROBE:
+            return True
+        alpha = ctx.state.setdefault("acceptance", policy.Acceptance()).alpha
+        return policy.drafting_pays(alpha, ctx.verify_cost, ctx.draft_cost, self.model.max_draft)
 
     def accept(self, ctx: DraftContext, tokens: List[int], n_drafted: int) -> None:
         # Each is told of its own drafts only: the other drafted nothing.
-        by = ctx.state.pop("drafted_by", None)
+        by, k = ctx.state.pop("drafted", None) or (None, 0)
+        if by == MODEL and k:
+            ctx.state.setdefault("acceptance", policy.Acceptance()).observe(k, n_drafted)
+        else:
+            ctx.state["idle"] = ctx.state.get("idle", 0) + len(tokens)
         self.lookup.accept(self._ctx(ctx, LOOKUP), tokens, n_drafted if by == LOOKUP else 0)
         self.model.accept(self._ctx(ctx, MODEL), tokens, n_drafted if by == MODEL else 0)
 

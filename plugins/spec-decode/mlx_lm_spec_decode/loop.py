@@ -321,6 +321,7 @@ class VerifyLoop:
         if getattr(self.drafter, "sizes_drafts", False):
             k_req = min(self.ctl.gmax, limit)
         self.ctx.verify_cost = self.ctl.verify_cost()
+        self.ctx.draft_cost = self.ctl.draft_cost()
         self.round_free = False
         if self.trees is not None and self.trees.grows(self.ctx.verify_cost):
             # A branching tree is verified there.

@@ -106,6 +106,19 @@ def best_length(
     return best, best_rate
 
 
+def drafting_pays(
+    alpha: float, verify: Tuple[float, float], draft: float, gmax: int, slack: float = 1.0
+) -> bool:
+    """Whether rounds of up to ``gmax`` drafts, each right with probability
+    ``alpha`` and costing ``draft`` plain steps to draft, emit more than
+    ``slack`` tokens per plain step's time where a verify over w tokens
+    costs ``verify = (a, b)``: a + b * w plain steps (``Policy.verify_cost``)."""
+    a, b = verify
+    return (
+        best_length([alpha], [gmax], (1.0, a - 1.0 + b, b), gmax, draft=draft, floor=slack)[0] > 0
+    )
+
+
 class Acceptance:
     """A row's per-draft-token acceptance, decayed (recent rounds weigh
     most), prior 1/2: geometric, so a round that drafted ``k`` and kept ``a``

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_loop import assert_exact, spec, stock
 
 from mlx_lm_ext.api import PluginError
-from mlx_lm_spec_decode import DraftModelDrafter, LookupFirst, NGramDrafter, last_stats
+from mlx_lm_spec_decode import DraftModelDrafter, LookupFirst, NGramDrafter, last_stats, lookup
 from mlx_lm_spec_decode import plugin as plugin_mod
 from mlx_lm_spec_decode.drafter import DraftContext
 from mlx_lm_spec_decode.loop import n_target_caches
@@ -48,6 +48,32 @@ def test_a_round_drafts_the_copy_where_the_text_matches_else_the_models_guess(ti
     history = [5, 6, 7, 8, 9, 5, 6, 7, 8, 11, 12]
     assert ctx.cache[0].tokens == history
     assert_exact(model, ctx.cache[1:], history)
+
+
+def test_the_model_drafts_only_while_its_rounds_pay(tiny_llama):
+    """Where the lookup has nothing: the model's drafts while its measured
+    acceptance pays for its draft steps and the verify, none once it does
+    not (plain steps, the lookup still asked), and one round again after
+    ``PROBE`` tokens, to learn its acceptance anew."""
+    model, tok = tiny_llama
+    drafter = LookupFirst(DraftModelDrafter(model), NGramDrafter(n_min=2))
+    ctx = DraftContext(model, make_prompt_cache(model), drafter.make_cache())
+    drafter.prefill(ctx, list(range(100, 110)))  # nothing repeats
+    ctx.verify_cost, ctx.draft_cost = (1.0, 0.0), 0.4  # a free window, dear drafts
+    token = iter(range(200, 400))
+    assert drafter.draft(ctx, 3)[0].size == 3  # pays at the prior acceptance (1/2)
+    drafter.accept(ctx, [next(token)], 0)  # every draft rejected
+    assert len(drafter.draft(ctx, 3)[0]) == 0  # no longer pays
+    for _ in range(lookup.PROBE - 1):
+        drafter.accept(ctx, [next(token)], 0)  # plain steps
+        assert len(drafter.draft(ctx, 3)[0]) == 0
+    drafter.accept(ctx, [next(token)], 0)
+    assert drafter.draft(ctx, 3)[0].size == 3  # the probe
+    drafter.accept(ctx, [next(token), next(token), next(token), next(token)], 3)
+    ctx.draft_cost = 0.05  # and at the price of a cheap drafter, all kept: it pays
+    for _ in range(3):
+        assert drafter.draft(ctx, 3)[0].size == 3
+        drafter.accept(ctx, [next(token) for _ in range(4)], 3)
 
 
 def test_greedy_output_and_caches_equal_stocks(tiny_llama, tiny_draft, repetitive_prompt):
