@@ -11,14 +11,17 @@ nothing, so a round's drafts are a copy where one matches and the model's
 guess elsewhere (as SuffixDecoding pairs a suffix index with a model
 speculator).
 
-Where the lookup has nothing, the model drafts only while its rounds pay
-at their measured price (``policy.drafting_pays``: the model's own
-acceptance in this request, the loop's verify cost and draft step in plain
-steps), and once every ``PROBE`` tokens to learn its acceptance anew;
-otherwise the round proposes nothing and the loop runs plain steps. So a
-model drafter too dear for the device (a CPU's, a small target's) leaves
-the lookup drafting as if alone, instead of the loop switching drafting
-off for both.
+The two guess at different rates and cost differently to ask, so each
+keeps its own acceptance in the request and sizes its own drafts
+(``sizes_drafts``: the loop asks for up to its longest draft): the length
+whose rounds emit most per plain step's time at the loop's measured
+verify cost and, for the model, its draft step (``policy.row_length``).
+Where no length beats plain steps the model does not draft (the round
+proposes nothing and the loop runs plain steps), except once every
+``PROBE`` tokens to learn its acceptance anew: a model drafter too dear for
+the device leaves the lookup drafting as if alone, instead of the loop
+switching drafting off for both. Before the loop has timed them, drafts
+are at most ``START`` long.
 
 Both drafters see the whole history: each keeps its own caches (the
 lookup's after the target's, then the model drafter's) and its own
@@ -35,29 +38,31 @@ from . import policy
 from .drafter import DraftContext, Drafter
 
 LOOKUP, MODEL = "lookup", "model"
+START = 3  # the longest draft before the loop has timed the verify (and the model's step)
 PROBE = 32  # tokens without a model round before one drafts anyway (its acceptance)
 
 
 class LookupFirst(Drafter):
     """``lookup``'s drafts where it proposes any, else ``model``'s."""
 
-    adaptive = True
-    auto_off = True
     batches = False  # a model drafter reads the target's caches or runs its own model
     tree = False  # chains: a round's drafts come from one of the two
 
     def __init__(self, model: Drafter, lookup: Drafter):
-        if model.needs_hidden and lookup.needs_hidden:
-            raise ValueError("only the model drafter of a LookupFirst may read hidden states")
+        if lookup.needs_hidden:
+            raise ValueError("a LookupFirst's lookup must not read hidden states")
         self.model, self.lookup = model, lookup
         self.name = f"{lookup.name}+{model.name}"
         self.max_draft = max(model.max_draft, lookup.max_draft)
         self.needs_hidden = model.needs_hidden
         self.adaptive, self.auto_off = model.adaptive, model.auto_off
+        # Adaptive: each source sizes its drafts by its own acceptance (the
+        # loop asks for up to the longest); else the loop's fixed length.
+        self.sizes_drafts = self.adaptive
         self._split = len(lookup.make_cache())
 
     def __repr__(self) -> str:
-        return f"LookupFirst({self.lookup!r}, {self.model!r})"
+        return f"LookupFirst({self.model!r}, {self.lookup!r})"
 
     def make_cache(self) -> List[Any]:
         return self.lookup.make_cache() + self.model.make_cache()
@@ -76,35 +81,39 @@ class LookupFirst(Drafter):
         self.model.prefill(self._ctx(ctx, MODEL), tokens)
 
     def draft(self, ctx: DraftContext, n: int) -> "tuple[Any, Optional[Any]]":
+        ctx.state["drafted"] = None
         drafts, probs = self.lookup.draft(self._ctx(ctx, LOOKUP), min(n, self.lookup.max_draft))
-        if len(drafts):
-            ctx.state["drafted"] = (LOOKUP, len(drafts))
-            return drafts, probs
-        if not self._model_pays(ctx):
-            ctx.state["drafted"] = None
+        g = self._length(ctx, LOOKUP, len(drafts), 0.0)
+        if g:
+            ctx.state["drafted"] = (LOOKUP, g)
+            return drafts[:g], (probs[:g] if probs is not None else None)
+        g = self._length(ctx, MODEL, min(n, self.model.max_draft), ctx.draft_cost)
+        if not g:
             return [], None
-        drafts, probs = self.model.draft(self._ctx(ctx, MODEL), min(n, self.model.max_draft))
+        drafts, probs = self.model.draft(self._ctx(ctx, MODEL), g)
         ctx.state["drafted"] = (MODEL, len(drafts))
         ctx.state["idle"] = 0
         return drafts, probs
 
-    def _model_pays(self, ctx: DraftContext) -> bool:
-        """Whether the model drafts this round: its rounds pay at its
-        acceptance, or their price is not measured yet, or it is time to
-        probe its acceptance again."""
-        if ctx.verify_cost is None or ctx.draft_cost is None:
-            return True
-        if ctx.state.get("idle", 0) >= PROBE:
-            return True
-        alpha = ctx.state.setdefault("acceptance", policy.Acceptance()).alpha
-        return policy.drafting_pays(alpha, ctx.verify_cost, ctx.draft_cost, self.model.max_draft)
+    def _length(self, ctx: DraftContext, which: str, proposed: int, draft: Any) -> int:
+        """How many of ``proposed`` drafts of ``which`` to verify (0: none pay)."""
+        if not proposed or not self.adaptive:
+            return proposed
+        probe = which == MODEL and ctx.state.get("idle", 0) >= PROBE
+        if ctx.verify_cost is None or draft is None or probe:
+            return min(proposed, START)
+        alpha = self._acceptance(ctx, which).alpha
+        return policy.row_length(alpha, proposed, ctx.verify_cost, draft)
+
+    def _acceptance(self, ctx: DraftContext, which: str) -> policy.Acceptance:
+        return ctx.state.setdefault(f"{which} acceptance", policy.Acceptance())
 
     def accept(self, ctx: DraftContext, tokens: List[int], n_drafted: int) -> None:
         # Each is told of its own drafts only: the other drafted nothing.
         by, k = ctx.state.pop("drafted", None) or (None, 0)
-        if by == MODEL and k:
-            ctx.state.setdefault("acceptance", policy.Acceptance()).observe(k, n_drafted)
-        else:
+        if by is not None and k:
+            self._acceptance(ctx, by).observe(k, n_drafted)
+        if by != MODEL:
             ctx.state["idle"] = ctx.state.get("idle", 0) + len(tokens)
         self.lookup.accept(self._ctx(ctx, LOOKUP), tokens, n_drafted if by == LOOKUP else 0)
         self.model.accept(self._ctx(ctx, MODEL), tokens, n_drafted if by == MODEL else 0)

@@ -106,17 +106,15 @@ def best_length(
     return best, best_rate
 
 
-def drafting_pays(
-    alpha: float, verify: Tuple[float, float], draft: float, gmax: int, slack: float = 1.0
-) -> bool:
-    """Whether rounds of up to ``gmax`` drafts, each right with probability
-    ``alpha`` and costing ``draft`` plain steps to draft, emit more than
-    ``slack`` tokens per plain step's time where a verify over w tokens
-    costs ``verify = (a, b)``: a + b * w plain steps (``Policy.verify_cost``)."""
+def row_length(alpha: float, proposed: int, verify: Tuple[float, float], draft: float = 0.0) -> int:
+    """``best_length`` for one row, in plain steps: the draft length in
+    ``1..proposed`` whose rounds emit most per plain step's time, each draft
+    right with probability ``alpha`` and costing ``draft`` plain steps to
+    draft, where a verify over w tokens costs ``verify = (a, b)``: a + b * w
+    plain steps (``Policy.verify_cost``); 0 where no length beats plain steps."""
     a, b = verify
-    return (
-        best_length([alpha], [gmax], (1.0, a - 1.0 + b, b), gmax, draft=draft, floor=slack)[0] > 0
-    )
+    cost = (1.0, a - 1.0 + b, b)
+    return best_length([alpha], [proposed], cost, proposed, draft=draft, floor=1.0)[0]
 
 
 class Acceptance:

@@ -50,6 +50,20 @@ def test_generate_verbose_prints_figures_and_matches_stock(tiny_model):
     assert text(ours.stdout) == text(stock.stdout)
 
 
+def test_generate_with_a_draft_model_and_prompt_lookup(tiny_model):
+    """``--draft-lookup``: mlx-lm's own --draft-model, the lookup first."""
+    model = tiny_model("llama")
+    stock = run_generate(model, "--verbose", "True")
+    args = ["--plugin", "spec-decode", "--draft-model", str(model), "--draft-lookup"]
+    ours = run_generate(model, *args, "--verbose", "True")
+    assert ours.returncode == 0, ours.stderr
+    assert "Speculative decoding (ngram+draft-model): drafted" in ours.stdout
+    text = lambda out: out.split("==========")[1]  # noqa: E731
+    assert text(ours.stdout) == text(stock.stdout)
+    bad = run_generate(model, "--plugin", "spec-decode", "--draft-lookup")
+    assert bad.returncode == 2 and "--draft-lookup adds prompt lookup" in bad.stderr
+
+
 def test_generate_refuses_bad_options(tiny_model):
     model = tiny_model("llama")
     bad = run_generate(model, "--plugin", "spec-decode", "--ngram-min", "5", "--ngram-max", "2")
