@@ -39,8 +39,13 @@ class Controller(policy.Policy):
         adaptive: bool = True,
         auto_off: bool = True,
         widths: tuple = (),
+        lookup: bool = False,
     ):
         super().__init__(gamma, gmax, adaptive, auto_off, widths)
+        # The drafter pairs a model with a lookup (``LookupFirst``): it asks
+        # its model only where the model's rounds pay, and its lookups cost
+        # nothing, so a dear model step never switches drafting off for good.
+        self.lookup = lookup
         self.probe = 0  # plain steps to time before the next round
         self.draft_step = None  # seconds per draft token, when measurable
         self.timed = 0  # drafting rounds whose draft was timed on its own
@@ -204,9 +209,10 @@ class Controller(policy.Policy):
         p = self.plain_cost(1)
         if p is None:
             return
-        if self.timed >= 2 and self._draft() >= self.DRAFT_COST * p:
+        draft = 0.0 if self.lookup else self._draft()
+        if self.timed >= 2 and draft >= self.DRAFT_COST * p:
             self.switch_off(1, "a draft step costs about as much as a target step", True)
-        elif self.cannot_pay(1, self._draft()):
+        elif self.cannot_pay(1, draft):
             sure = len(self.verify.get(1, ())) >= self.VERIFY_SURE
             self.switch_off(1, "a verify forward costs too many plain steps to gain", sure)
         else:

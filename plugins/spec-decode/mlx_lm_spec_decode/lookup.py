@@ -20,8 +20,10 @@ Where no length beats plain steps the model does not draft (the round
 proposes nothing and the loop runs plain steps), except once every
 ``PROBE`` tokens to learn its acceptance anew: a model drafter too dear for
 the device leaves the lookup drafting as if alone, instead of the loop
-switching drafting off for both. Before the loop has timed them, drafts
-are at most ``START`` long.
+switching drafting off for both (nor does the loop switch it off for good
+for the model's price, and while it is off it watches the lookup's
+guesses, as it does a lone lookup's). Before the loop has timed them,
+lookup drafts are at most ``START`` long and the model drafts one token.
 
 Both drafters see the whole history: each keeps its own caches (the
 lookup's after the target's, then the model drafter's) and its own
@@ -38,7 +40,10 @@ from . import policy
 from .drafter import DraftContext, Drafter
 
 LOOKUP, MODEL = "lookup", "model"
-START = 3  # the longest draft before the loop has timed the verify (and the model's step)
+START = 3  # the longest lookup draft before the loop has timed the verify
+# The model's draft while its price is not known, and its probes: one token
+# tells its acceptance and step, at the least a guess can cost.
+MODEL_START = 1
 PROBE = 32  # tokens without a model round before one drafts anyway (its acceptance)
 
 
@@ -95,13 +100,18 @@ class LookupFirst(Drafter):
         ctx.state["idle"] = 0
         return drafts, probs
 
+    def guess(self, ctx: DraftContext, n: int) -> List[int]:
+        """The lookup's proposal alone (free to ask): the loop scores it while
+        drafting is off, and resumes drafting where it holds."""
+        return list(self.lookup.draft(self._ctx(ctx, LOOKUP), min(n, self.lookup.max_draft))[0])
+
     def _length(self, ctx: DraftContext, which: str, proposed: int, draft: Any) -> int:
         """How many of ``proposed`` drafts of ``which`` to verify (0: none pay)."""
         if not proposed or not self.adaptive:
             return proposed
         probe = which == MODEL and ctx.state.get("idle", 0) >= PROBE
         if ctx.verify_cost is None or draft is None or probe:
-            return min(proposed, START)
+            return min(proposed, START if which == LOOKUP else MODEL_START)
         alpha = self._acceptance(ctx, which).alpha
         return policy.row_length(alpha, proposed, ctx.verify_cost, draft)
 

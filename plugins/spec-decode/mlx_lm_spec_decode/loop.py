@@ -168,6 +168,7 @@ class VerifyLoop:
             adaptive=getattr(drafter, "adaptive", True),
             auto_off=getattr(drafter, "auto_off", True),
             widths=self.widths,
+            lookup=callable(getattr(drafter, "guess", None)),
         )
         self._carry_timings()
         self.st = stats_mod.SpecStats(
@@ -278,16 +279,24 @@ class VerifyLoop:
                 for_good = self.ctl.for_good  # drafting cannot pay here
                 self.st.switched_off(self.ctl.why, for_good)
                 self.ctl.resume()
-                # A drafter that costs nothing to ask (n-gram, suffix) keeps
-                # guessing, and drafting resumes as soon as its guesses hold.
-                watch = None
-                if self.free and not for_good:
+                # A drafter that costs nothing to ask (n-gram, suffix, a
+                # paired lookup) keeps guessing, and drafting resumes as
+                # soon as its guesses hold.
+                guess, watch = self._free_guess(), None
+                if guess is not None and not for_good:
                     watch = resume_watch(
-                        lambda: self.drafter.draft(self.ctx, self.ctl.gamma)[0], lambda: self.y
+                        lambda guess=guess: guess(self.ctx, self.ctl.gamma), lambda: self.y
                     )
                 yield from self.plain(n, watch=watch)
                 continue
             yield from self.draft_round(remaining, room)
+
+    def _free_guess(self) -> Optional[Callable[[DraftContext, int], list]]:
+        """What the drafter proposes at no cost, ``(ctx, n) -> drafts``: a
+        free drafter's drafts, or a paired lookup's (``guess``); None."""
+        if self.free:
+            return lambda ctx, n: self.drafter.draft(ctx, n)[0]
+        return getattr(self.drafter, "guess", None)
 
     def settle(self) -> None:
         """Leave target and drafter caches holding exactly prompt + yielded tokens."""
