@@ -2,6 +2,7 @@
 text matches, a model drafter's guess elsewhere; exact output and caches."""
 
 import argparse
+import time
 
 import mlx.core as mx
 import pytest
@@ -9,7 +10,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_loop import assert_exact, spec, stock
 
 from mlx_lm_ext.api import PluginError
-from mlx_lm_spec_decode import DraftModelDrafter, LookupFirst, NGramDrafter, last_stats, lookup
+from mlx_lm_spec_decode import (
+    Drafter,
+    DraftModelDrafter,
+    LookupFirst,
+    NGramDrafter,
+    last_stats,
+    lookup,
+)
 from mlx_lm_spec_decode import plugin as plugin_mod
 from mlx_lm_spec_decode.drafter import DraftContext
 from mlx_lm_spec_decode.loop import n_target_caches
@@ -18,14 +26,15 @@ from mlx_lm_spec_decode.loop import n_target_caches
 class Counted:
     """A drafter's proposals counted: rounds it proposed in."""
 
-    def __init__(self, base, limit=None):
-        self.base, self.limit, self.proposed = base, limit, 0
+    def __init__(self, base, limit=None, after=0):
+        self.base, self.limit, self.after, self.proposed = base, limit, after, 0
 
     def __getattr__(self, name):
         return getattr(self.base, name)
 
     def draft(self, ctx, n):
-        if self.limit is not None and self.proposed >= self.limit:
+        self.after -= 1
+        if self.after >= 0 or (self.limit is not None and self.proposed >= self.limit):
             return [], None
         drafts, probs = self.base.draft(ctx, n)
         self.proposed += len(drafts) > 0
@@ -122,6 +131,34 @@ def test_a_lookup_round_is_priced_as_its_verify_alone():
         a, b = ctl.verify_cost()
         verify[free] = a + 4 * b  # a 4-token verify, in plain steps
     assert verify[True] == pytest.approx(1.5) and verify[False] == pytest.approx(1.2)
+
+
+def test_a_model_dearer_than_the_target_leaves_the_lookup_drafting(tiny_llama, repetitive_prompt):
+    """The model's drafts are right but each step costs more than a target
+    step: it stops drafting after its first rounds, drafting is never off
+    for good, and the lookup drafts on."""
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    ref = stock(model, prompt, 60)
+
+    class Dear(Drafter):
+        name = "dear"
+        rounds = 0
+
+        def draft(self, ctx, n):
+            Dear.rounds += 1
+            time.sleep(0.05 * n)
+            pos = ctx.state.get("pos", 0)
+            return mx.array(ref[pos : pos + n], mx.uint32), None
+
+        def accept(self, ctx, tokens, n_drafted):
+            ctx.state["pos"] = ctx.state.get("pos", 0) + len(tokens)
+
+    lookup = Counted(NGramDrafter(n_min=1), after=4)  # silent for its first asks
+    assert spec(model, LookupFirst(Dear(), lookup), prompt, 60) == ref
+    s = last_stats()
+    assert not s.off_for_good and lookup.proposed >= 5, (s.off_why, lookup.proposed)
+    assert 1 <= Dear.rounds <= 4, Dear.rounds
 
 
 def _args(**kw):
