@@ -61,6 +61,13 @@ steps behind the verify. The drafter returns the lazy drafts (or None) and
 proposes them from its next ``draft`` if ``accept`` is told of exactly
 that round.
 
+Optional: ``guess(ctx, n) -> list of ids`` for a drafter that computes but
+also proposes for free (``LookupFirst``: its lookup's proposal): while
+drafting is switched off the loop scores these guesses against the emitted
+tokens, as it does a free drafter's own drafts, and resumes drafting where
+they hold; such a drafter prices its computed drafts itself, so the loop
+never switches drafting off for good for their cost.
+
 ``DrafterProtocol`` states this contract for type checkers; ``Drafter`` is a
 base class that meets it by proposing nothing, to subclass.
 """

@@ -646,11 +646,12 @@ def test_training_starts_from_the_targets_own_prediction(llama):
     assert mx.argmax(split[1](out), -1).item() == mx.argmax(split[1](h), -1).item()
 
 
-def test_mlx_lm_server_with_openai_client(tiny_model, llama, trained, tmp_path):
-    """mlx_lm.server --plugin spec-decode --drafter assistant: greedy answers
-    are the target's own, a repeated request is served from the prompt cache
-    (the drafter adds nothing to it) with the same text, usage carries the
-    figures, and sampling works."""
+@pytest.mark.parametrize("lookup", [[], ["--draft-lookup"]])
+def test_mlx_lm_server_with_openai_client(tiny_model, llama, trained, tmp_path, lookup):
+    """mlx_lm.server --plugin spec-decode --drafter assistant (and with
+    --draft-lookup, the n-gram lookup first): greedy answers are the
+    target's own, a repeated request is served from the prompt cache with
+    the same text, usage carries the figures, and sampling works."""
     import socket
     import subprocess
     import sys
@@ -686,6 +687,7 @@ def test_mlx_lm_server_with_openai_client(tiny_model, llama, trained, tmp_path):
             str(tmp_path / "a"),
             "--num-draft-tokens",
             "3",
+            *lookup,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -714,7 +716,8 @@ def test_mlx_lm_server_with_openai_client(tiny_model, llama, trained, tmp_path):
         want = tok.decode(stock(model, prompt, 20)).strip()  # the server drops the leading space
         assert r.choices[0].message.content.strip() == want
         spec_usage = r.usage.model_dump()["speculative_decoding"]
-        assert spec_usage["drafter"] == "assistant" and spec_usage["drafted"] > 0
+        drafter = "ngram+assistant" if lookup else "assistant"
+        assert spec_usage["drafter"] == drafter and spec_usage["drafted"] > 0
         r2 = client.chat.completions.create(
             model="default_model", messages=msgs, max_tokens=20, temperature=0
         )
@@ -733,4 +736,4 @@ def test_mlx_lm_server_with_openai_client(tiny_model, llama, trained, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
-    assert "Speculative decoding (assistant): drafted" in out, out[-3000:]
+    assert f"Speculative decoding ({drafter}): drafted" in out, out[-3000:]

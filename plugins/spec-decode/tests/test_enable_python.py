@@ -97,7 +97,7 @@ def test_a_draft_model_passed_to_the_call_wins(smollm2, off):
         ({"draft_max": 0}, r"--draft-max must be a positive integer"),
         ({"no_auto_off": "yes"}, r"no_auto_off='yes': must be True or False"),
         ({"draft_tree": "on"}, r"draft_tree='on': must be one of auto, off"),
-        ({"draftmax": 4}, r"has no option 'draftmax' \(options: draft_max"),
+        ({"draftmax": 4}, r"has no option 'draftmax' \(options: draft_lookup, draft_max"),
     ],
 )
 def test_bad_options_are_refused_as_the_command_line_refuses_them(off, options, message):
