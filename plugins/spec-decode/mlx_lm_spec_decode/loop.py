@@ -478,8 +478,10 @@ class VerifyLoop:
         # with logits processors (steps read one by one), or where verify
         # columns cost compute, that run starts after a few single steps
         # in a row (the short gaps of a copy stay single steps). Another drafter doubles its runs (2, 4, 8 tokens).
-        # (A drafter reading hidden states is asked every step.)
-        self.misses = 0 if self.drafter.needs_hidden else self.misses + 1
+        # (A drafter reading hidden states is asked every step, unless it
+        # has a free guess: a paired lookup whose model declined.)
+        guess = None if self.free else self._free_guess()
+        self.misses = 0 if self.drafter.needs_hidden and guess is None else self.misses + 1
         if self.free and self.context is None and policy.free_columns(self.ctl.verify_cost()):
             # Pipelined from the first miss: the round that ends the run is
             # queued behind its last step (``plain``'s ``early``). Only where
@@ -490,6 +492,15 @@ class VerifyLoop:
             k = max(1, self.ctl.gamma)
             watch = lambda: len(self.drafter.draft(self.ctx, k)[0]) > 0  # noqa: E731
             yield from self.plain(remaining, t0, watch=watch)
+            return
+        if guess is not None:
+            # Its model declined to draft (its rounds do not pay): pipelined
+            # runs from the first miss, doubling (2, 4, 8 tokens), each ended
+            # as soon as the lookup proposes; between them the drafter is
+            # asked again (its model's probe comes due).
+            k = max(1, self.ctl.gamma)
+            watch = lambda: len(guess(self.ctx, k)) > 0  # noqa: E731
+            yield from self.plain(min(1 << min(self.misses, 3), remaining), t0, watch=watch)
             return
         run = 1 if self.misses <= MISS_RUN else 1 << min(self.misses - MISS_RUN, 3)
         yield from self.plain(min(run, remaining), t0)

@@ -161,6 +161,33 @@ def test_a_model_dearer_than_the_target_leaves_the_lookup_drafting(tiny_llama, r
     assert 1 <= Dear.rounds <= 4, Dear.rounds
 
 
+def test_where_the_model_declines_plain_steps_run_pipelined(tiny_llama, repetitive_prompt):
+    """Where the lookup has nothing and the model's rounds do not pay, the
+    loop runs pipelined plain steps (runs of up to 8, ended by a lookup
+    proposal), not one step per drafting decision."""
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    ref = stock(model, prompt, 80)
+
+    class Wrong(Drafter):  # reads hidden states (as the assistant), cheap, never right
+        name = "wrong"
+        needs_hidden = True
+
+        def draft(self, ctx, n):
+            return mx.array([0] * n, mx.uint32), None
+
+    class Asked(LookupFirst):
+        asked = 0
+
+        def draft(self, ctx, n):
+            Asked.asked += 1
+            return super().draft(ctx, n)
+
+    never = Counted(NGramDrafter(n_min=1), after=10**6)  # the lookup never proposes
+    assert spec(model, Asked(Wrong(), never), prompt, 80) == ref
+    assert Asked.asked <= 25, Asked.asked  # about one decision per run, not per token
+
+
 def _args(**kw):
     base = dict(drafter=None, draft_model=None, draft_lookup=True, ngram_min=2, ngram_max=4)
     return argparse.Namespace(**{**base, **kw})
