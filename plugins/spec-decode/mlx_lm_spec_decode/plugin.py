@@ -31,6 +31,7 @@ from .suffix import DEFAULT_CORPUS_TOKENS, SuffixDrafter
 log = logging.getLogger("mlx_lm_spec_decode")
 
 DRAFTERS = ("ngram", "suffix", "draft-model", "assistant")
+LOOKUPS = ("ngram", "suffix")  # drafters that look up, free to ask: --draft-lookup adds nothing
 
 
 @hookimpl
@@ -158,12 +159,8 @@ def _check(args):
             "--drafter draft-model needs --draft-model PATH "
             "(a smaller model with the same tokenizer)"
         )
-    if getattr(args, "draft_lookup", False) and _which(
-        args, getattr(args, "draft_model", None)
-    ) in (
-        "ngram",
-        "suffix",
-    ):
+    which = _which(args, getattr(args, "draft_model", None))
+    if getattr(args, "draft_lookup", False) and which in LOOKUPS:
         raise PluginError(
             "--draft-lookup adds prompt lookup to a model drafter: use it with "
             "--drafter draft-model or --drafter assistant"
@@ -228,7 +225,7 @@ def _options(args, which):
 def status_options(options: argparse.Namespace) -> Dict[str, Any]:
     """What the unset flags resolve to, for ``/status`` (as ``make_drafter`` resolves them)."""
     which = _which(options, getattr(options, "draft_model", None))
-    lookup = getattr(options, "draft_lookup", False) and which not in ("ngram", "suffix")
+    lookup = getattr(options, "draft_lookup", False) and which not in LOOKUPS
     return {
         "drafter": f"ngram+{which}" if lookup else which,
         "draft_max": _options(options, which)["max_draft"],
@@ -250,7 +247,7 @@ def make_drafter(
         return None  # the draft_model the caller passed, as it is
     which = _which(args, draft_model)
     drafter = _drafter(command, which, model, tokenizer, draft_model, args)
-    if not getattr(args, "draft_lookup", False) or which in ("ngram", "suffix"):
+    if not getattr(args, "draft_lookup", False) or which in LOOKUPS:
         return drafter
     lookup = NGramDrafter(
         n_max=args.ngram_max, n_min=args.ngram_min, tree=False, **_options(args, "ngram")
