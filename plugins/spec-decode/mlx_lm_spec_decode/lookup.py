@@ -87,7 +87,7 @@ class LookupFirst(Drafter):
 
     def draft(self, ctx: DraftContext, n: int) -> "tuple[Any, Optional[Any]]":
         ctx.state["drafted"] = None
-        drafts, probs = self.lookup.draft(self._ctx(ctx, LOOKUP), min(n, self.lookup.max_draft))
+        drafts, probs = self._lookup(ctx, n)
         g = self._length(ctx, LOOKUP, len(drafts), 0.0)
         if g:
             ctx.state["drafted"] = (LOOKUP, g)
@@ -103,7 +103,10 @@ class LookupFirst(Drafter):
     def guess(self, ctx: DraftContext, n: int) -> List[int]:
         """The lookup's proposal alone (free to ask): the loop scores it while
         drafting is off, and resumes drafting where it holds."""
-        return list(self.lookup.draft(self._ctx(ctx, LOOKUP), min(n, self.lookup.max_draft))[0])
+        return list(self._lookup(ctx, n)[0])
+
+    def _lookup(self, ctx: DraftContext, n: int) -> "tuple[Any, Optional[Any]]":
+        return self.lookup.draft(self._ctx(ctx, LOOKUP), min(n, self.lookup.max_draft))
 
     def _length(self, ctx: DraftContext, which: str, proposed: int, draft: Any) -> int:
         """How many of ``proposed`` drafts of ``which`` to verify (0: none pay)."""

@@ -480,7 +480,7 @@ class VerifyLoop:
         # in a row (the short gaps of a copy stay single steps). Another drafter doubles its runs (2, 4, 8 tokens).
         # (A drafter reading hidden states is asked every step, unless it
         # has a free guess: a paired lookup whose model declined.)
-        guess = None if self.free else self._free_guess()
+        guess = self._free_guess()
         self.misses = 0 if self.drafter.needs_hidden and guess is None else self.misses + 1
         if self.free and self.context is None and policy.free_columns(self.ctl.verify_cost()):
             # Pipelined from the first miss: the round that ends the run is
@@ -488,18 +488,16 @@ class VerifyLoop:
             # verify columns cost nothing: a wrong guess wastes the window's.
             yield from self.plain(remaining, t0, early=self._proposal)
             return
+        k = max(1, self.ctl.gamma)
+        watch = None if guess is None else lambda: len(guess(self.ctx, k)) > 0
         if self.free and self.misses > MISS_RUN:
-            k = max(1, self.ctl.gamma)
-            watch = lambda: len(self.drafter.draft(self.ctx, k)[0]) > 0  # noqa: E731
             yield from self.plain(remaining, t0, watch=watch)
             return
-        if guess is not None:
-            # Its model declined to draft (its rounds do not pay): pipelined
-            # runs from the first miss, doubling (2, 4, 8 tokens), each ended
-            # as soon as the lookup proposes; between them the drafter is
-            # asked again (its model's probe comes due).
-            k = max(1, self.ctl.gamma)
-            watch = lambda: len(guess(self.ctx, k)) > 0  # noqa: E731
+        if watch is not None and not self.free:
+            # A paired lookup whose model declined to draft (its rounds do
+            # not pay): pipelined runs from the first miss, doubling (2, 4,
+            # 8 tokens), each ended as soon as the lookup proposes; between
+            # them the drafter is asked again (its model's probe comes due).
             yield from self.plain(min(1 << min(self.misses, 3), remaining), t0, watch=watch)
             return
         run = 1 if self.misses <= MISS_RUN else 1 << min(self.misses - MISS_RUN, 3)
