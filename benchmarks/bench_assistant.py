@@ -16,7 +16,10 @@ GPU). Methods, each on the same prompts, greedy, one after the other:
   growing token trees (``AssistantDrafter(tree=True)``);
 - ``ngram+assistant`` (only when named): prompt lookup's copy where the
   text matches, the assistant's drafts elsewhere (``--draft-lookup``,
-  ``LookupFirst``).
+  ``LookupFirst``);
+- ``ngram+assistant-tree`` (only when named): the two in one token tree
+  per round, the lookup's copies beside the assistant's branches
+  (``LookupFirst`` over ``AssistantDrafter(tree=True)``).
 
 Prompts: input-grounded (edit a function from CPython's stdlib; answer with
 quotes from a given passage) and open-ended chat (held out: not the
@@ -317,6 +320,11 @@ def main():
     if "assistant-tree" in methods:  # the same drafter growing token trees
         trees = load_assistant(args, args.drafter_path, target, tree=True)
         drafters["assistant-tree"] = lambda: trees
+    if "ngram+assistant-tree" in methods:  # one tree of the copies and the assistant's guesses
+        both = sd.LookupFirst(
+            load_assistant(args, args.drafter_path, target, tree=True), sd.NGramDrafter(tree=True)
+        )
+        drafters["ngram+assistant-tree"] = lambda: both
     cfg = assistant.read_config(args.drafter_path)
     state = Path(args.drafter_path, "checkpoint", "state.json")
     trained = json.loads(state.read_text())["step"] if state.is_file() else "?"

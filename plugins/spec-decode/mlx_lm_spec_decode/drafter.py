@@ -61,6 +61,14 @@ steps behind the verify. The drafter returns the lazy drafts (or None) and
 proposes them from its next ``draft`` if ``accept`` is told of exactly
 that round.
 
+Optional: ``draft_tree(ctx, n) -> [(path, weight), ...]`` for a drafter
+with ``tree = True``: about ``n`` nodes of a token tree as weighted paths
+(``tree.trie`` merges them; a node's share of the weight estimates how
+often the text goes through it), which the loop verifies in one forward
+where that pays (``tree_verify``). ``accept`` then gets the accepted path.
+A tree that mixes free nodes with computed ones (``LookupFirst``) sets
+``ctx.computed`` to the number it computed, which the loop times.
+
 Optional: ``guess(ctx, n) -> list of ids`` for a drafter that computes but
 also proposes for free (``LookupFirst``: its lookup's proposal): while
 drafting is switched off the loop scores these guesses against the emitted
@@ -93,6 +101,10 @@ class DraftContext:
     verify_cost: Optional[tuple] = None
     # plain steps a drafted token of a computing drafter costs (None: not timed)
     draft_cost: Optional[float] = None
+    # set by a ``draft_tree`` whose tree mixes free nodes (a lookup's) with
+    # computed ones: how many it computed (None: every node, or none for a
+    # drafter that computes nothing)
+    computed: Optional[int] = None
     # per-request scratch space for the drafter (pending tokens etc.)
     state: dict = field(default_factory=dict)
 

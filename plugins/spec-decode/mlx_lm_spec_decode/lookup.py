@@ -38,6 +38,7 @@ from typing import Any, List, Optional
 
 from . import policy
 from .drafter import DraftContext, Drafter
+from .tree import trie
 
 LOOKUP, MODEL = "lookup", "model"
 START = 3  # the longest lookup draft before the loop has timed the verify
@@ -51,7 +52,6 @@ class LookupFirst(Drafter):
     """``lookup``'s drafts where it proposes any, else ``model``'s."""
 
     batches = False  # a model drafter reads the target's caches or runs its own model
-    tree = False  # chains: a round's drafts come from one of the two
 
     def __init__(self, model: Drafter, lookup: Drafter):
         if lookup.needs_hidden:
@@ -60,6 +60,10 @@ class LookupFirst(Drafter):
         self.name = f"{lookup.name}+{model.name}"
         self.max_draft = max(model.max_draft, lookup.max_draft)
         self.needs_hidden = model.needs_hidden
+        # Trees where the model grows them: both sources' paths in one tree.
+        self.tree = bool(getattr(model, "tree", False)) and callable(
+            getattr(model, "draft_tree", None)
+        )
         self.adaptive, self.auto_off = model.adaptive, model.auto_off
         # Adaptive: each source sizes its drafts by its own acceptance (the
         # loop asks for up to the longest); else the loop's fixed length.
@@ -86,19 +90,59 @@ class LookupFirst(Drafter):
         self.model.prefill(self._ctx(ctx, MODEL), tokens)
 
     def draft(self, ctx: DraftContext, n: int) -> "tuple[Any, Optional[Any]]":
-        ctx.state["drafted"] = None
+        ctx.state["drafted"] = {}
         drafts, probs = self._lookup(ctx, n)
         g = self._length(ctx, LOOKUP, len(drafts), 0.0)
         if g:
-            ctx.state["drafted"] = (LOOKUP, g)
+            ctx.state["drafted"] = {LOOKUP: g}
             return drafts[:g], (probs[:g] if probs is not None else None)
-        g = self._length(ctx, MODEL, min(n, self.model.max_draft), ctx.draft_cost)
+        g = self._model_length(ctx, n)
         if not g:
             return [], None
         drafts, probs = self.model.draft(self._ctx(ctx, MODEL), g)
-        ctx.state["drafted"] = (MODEL, len(drafts))
+        ctx.state["drafted"] = {MODEL: len(drafts)}
         ctx.state["idle"] = 0
         return drafts, probs
+
+    def draft_tree(self, ctx: DraftContext, n: int) -> List["tuple[List[int], float]"]:
+        """About ``n`` nodes of one tree holding both: the lookup's copies,
+        and the model's own tree where its rounds pay (as ``draft`` decides
+        for a chain). Each source's paths weigh its acceptance in all, so a
+        node both propose weighs the most; the loop cuts the tree to what
+        pays at the verify's measured price. The model's nodes are told in
+        ``ctx.computed``: only they cost a draft step."""
+        look = self._lookup_paths(ctx, n)
+        g = self._model_length(ctx, n)
+        # A model that pays grows a tree of the whole budget; its probe, one token.
+        mine = (
+            self.model.draft_tree(self._ctx(ctx, MODEL), n if g > MODEL_START else g) if g else []
+        )
+        ctx.state["drafted"] = {
+            w: [p for p, _ in ps] for w, ps in ((LOOKUP, look), (MODEL, mine)) if ps
+        }
+        ctx.computed = len(trie(mine)[0]) - 1
+        if mine:
+            ctx.state["idle"] = 0
+        return self._weighed(ctx, LOOKUP, look) + self._weighed(ctx, MODEL, mine)
+
+    def _lookup_paths(self, ctx: DraftContext, n: int) -> List["tuple[List[int], float]"]:
+        """The lookup's tree where it grows one, else its chain as one path."""
+        if getattr(self.lookup, "tree", False) and callable(
+            getattr(self.lookup, "draft_tree", None)
+        ):
+            return self.lookup.draft_tree(self._ctx(ctx, LOOKUP), min(n, self.lookup.max_draft))
+        drafts = list(self._lookup(ctx, n)[0])
+        return [(drafts, 1.0)] if drafts else []
+
+    def _weighed(self, ctx, which, paths):
+        """``paths`` rescaled to weigh ``which``'s acceptance in all."""
+        total = sum(w for _, w in paths)
+        alpha = self._acceptance(ctx, which).alpha
+        return [(p, w * alpha / total) for p, w in paths] if total > 0 else []
+
+    def _model_length(self, ctx: DraftContext, n: int) -> int:
+        """The model's draft length where its rounds pay (0: they do not)."""
+        return self._length(ctx, MODEL, min(n, self.model.max_draft), ctx.draft_cost)
 
     def guess(self, ctx: DraftContext, n: int) -> List[int]:
         """The lookup's proposal alone (free to ask): the loop scores it while
@@ -122,14 +166,28 @@ class LookupFirst(Drafter):
         return ctx.state.setdefault(f"{which} acceptance", policy.Acceptance())
 
     def accept(self, ctx: DraftContext, tokens: List[int], n_drafted: int) -> None:
-        # Each is told of its own drafts only: the other drafted nothing.
-        by, k = ctx.state.pop("drafted", None) or (None, 0)
-        if by is not None and k:
-            self._acceptance(ctx, by).observe(k, n_drafted)
-        if by != MODEL:
+        # Each is told of its own drafts only: those the accepted path holds.
+        kept = self._credit(ctx, ctx.state.pop("drafted", None) or {}, tokens[:n_drafted])
+        if MODEL not in kept:
             ctx.state["idle"] = ctx.state.get("idle", 0) + len(tokens)
-        self.lookup.accept(self._ctx(ctx, LOOKUP), tokens, n_drafted if by == LOOKUP else 0)
-        self.model.accept(self._ctx(ctx, MODEL), tokens, n_drafted if by == MODEL else 0)
+        self.lookup.accept(self._ctx(ctx, LOOKUP), tokens, kept.get(LOOKUP, 0))
+        self.model.accept(self._ctx(ctx, MODEL), tokens, kept.get(MODEL, 0))
+
+    def _credit(self, ctx: DraftContext, drafted: dict, path: List[int]) -> dict:
+        """Each source's acceptance told of its round: a chain of ``k``
+        drafts kept as far as the accepted ``path``; a tree's paths, by the
+        one that agrees with it longest. Returns the drafts each kept."""
+        kept = {}
+        for which, drafts in drafted.items():
+            if isinstance(drafts, int):
+                k, a = drafts, len(path)
+            else:
+                a = max(_agree(p, path) for p in drafts)
+                k = max(len(p) for p in drafts if _agree(p, path) == a)
+            if k:
+                self._acceptance(ctx, which).observe(k, a)
+                kept[which] = a
+        return kept
 
     def trim(self, ctx: DraftContext, n: int) -> None:
         self.lookup.trim(self._ctx(ctx, LOOKUP), n)
@@ -138,3 +196,13 @@ class LookupFirst(Drafter):
     def flush(self, ctx: DraftContext) -> None:
         self.lookup.flush(self._ctx(ctx, LOOKUP))
         self.model.flush(self._ctx(ctx, MODEL))
+
+
+def _agree(drafts: List[int], path: List[int]) -> int:
+    """How many of ``drafts`` the accepted ``path`` begins with."""
+    n = 0
+    for d, t in zip(drafts, path, strict=False):
+        if d != t:
+            break
+        n += 1
+    return n

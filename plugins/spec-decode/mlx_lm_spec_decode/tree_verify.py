@@ -97,13 +97,13 @@ class TreeRounds:
         depth = k_req if cost is None or not drafter.adaptive else max(k_req, limit)
         depth = min(depth, limit, tree_mod.MAX_NODES - 1)
         t0 = time.perf_counter()
+        loop.ctx.computed = None
         paths = drafter.draft_tree(loop.ctx, depth)
         if not paths:
             return mx.array([], mx.uint32), None
         tokens, parents, shares = tree_mod.trie(paths)
-        if self.computes and loop.ctl.time_draft() and len(tokens) > 1:
-            # A drafter on the device (the assistant) read its tree back: timed per node.
-            loop.ctl.drafted(len(tokens) - 1, time.perf_counter() - t0)
+        if self.computes:
+            self._priced(len(tokens) - 1, time.perf_counter() - t0)
         rate = self.rate
         probs = [s * rate**d for s, d in zip(shares, tree_mod.depths(parents), strict=True)]
         width = k_req if cost is None else depth
@@ -119,6 +119,16 @@ class TreeRounds:
         tokens[0] = loop.y
         self.pending = (tokens, parents)
         return None, None
+
+    def _priced(self, nodes: int, seconds: float) -> None:
+        """A tree of a drafter on the device (the assistant) was read back:
+        its computed nodes timed, one by one. A pair's tree that holds only
+        its lookup's copies (``ctx.computed`` 0) cost nothing to draft."""
+        loop = self.loop
+        computed = nodes if loop.ctx.computed is None else loop.ctx.computed
+        loop.round_free = computed == 0
+        if computed and loop.ctl.time_draft():
+            loop.ctl.drafted(computed, seconds)
 
     def verify(self) -> tuple[mx.array, list[int], int, int, int]:
         """The pending tree through one target forward: ``(logprobs rows of

@@ -362,6 +362,42 @@ def test_token_trees_are_stock_and_keep_the_drafters_inputs(llama, trained, monk
     assert sum(w for _, w in paths) == pytest.approx(1.0)
 
 
+def test_a_pair_grows_one_tree_of_the_copy_and_the_assistants_guesses(llama, trained, monkeypatch):
+    """``--draft-lookup`` over the assistant's trees, where a wider verify
+    costs almost nothing: rounds verify trees holding the lookup's copies
+    beside the assistant's branches, the output is stock greedy, the
+    assistant's inputs are checked before each tree it grows, and the
+    lookup's index holds the whole history."""
+    from mlx_lm_spec_decode import LookupFirst, NGramDrafter
+    from mlx_lm_spec_decode.controller import Controller
+
+    monkeypatch.setattr(Controller, "verify_cost", lambda self: (0.95, 0.01))
+    monkeypatch.setattr(Controller, "tree_surcharge", lambda self: 0.0)
+    monkeypatch.setattr(Controller, "draft_cost", lambda self: 0.01)
+    model, tok = llama
+    d, prompt, *_ = trained
+    checked = TreeChecked(d, target_mod.split(model), [])
+    checked.tree = True
+
+    class Both(LookupFirst):
+        mixed = 0  # trees with nodes of each source
+
+        def draft_tree(self, ctx, n):
+            paths = super().draft_tree(ctx, n)
+            Both.mixed += 0 < ctx.computed < len(tree_mod.trie(paths)[0]) - 1
+            return paths
+
+    pair = Both(checked, NGramDrafter(n_min=1, tree=True))
+    text = "one two three four five six seven eight nine ten. " * 2
+    for p in (prompt, prompt_of(tok, text)):
+        cache = make_prompt_cache(model) + pair.make_cache()
+        out = spec(model, pair, p, 30, prompt_cache=cache)
+        assert out == stock(model, p, 30)
+        assert last_stats().tree_rounds > 0
+        assert cache[-1].tokens == p.tolist() + out
+    assert Both.mixed > 0 and checked.checks > 0, (Both.mixed, checked.checks)
+
+
 def test_rollback_keeps_drafter_and_target_consistent(llama, trained, monkeypatch):
     monkeypatch.setenv("MLX_LM_SPEC_BEHIND", "on")  # opt-in: its drafts are checked too
     model, tok = llama

@@ -87,6 +87,44 @@ def test_the_model_drafts_only_while_its_rounds_pay(tiny_llama):
     assert drafter.draft(ctx, 3)[0].size == 3
 
 
+class Paths(Drafter):
+    """A model drafter growing a fixed tree (``draft_tree``); told what it kept."""
+
+    name, tree = "paths", True
+
+    def __init__(self, paths):
+        self.paths, self.told = paths, []
+
+    def draft_tree(self, ctx, n):
+        return [(p, 1.0) for p in self.paths]
+
+    def accept(self, ctx, tokens, n_drafted):
+        self.told.append(n_drafted)
+
+
+def test_a_tree_round_holds_both_and_credits_each_with_what_it_kept():
+    """Where the model grows trees, one round's tree holds the lookup's copy
+    and the model's branches, each source weighing its acceptance; the
+    model's nodes are told as computed; after the verify each source is
+    credited with what the accepted path kept of its own paths."""
+    model = Paths([[7, 9], [4]])
+    drafter = LookupFirst(model, NGramDrafter(n_min=2))
+    assert drafter.tree
+    ctx = DraftContext(None, None, drafter.make_cache())
+    ctx.verify_cost, ctx.draft_cost = (1.0, 0.0), 0.01  # free columns, cheap drafts
+    drafter.prefill(ctx, [5, 6, 7, 8, 9, 5, 6])
+    paths = drafter.draft_tree(ctx, 4)
+    assert paths == [([7, 8, 9, 5], 0.5), ([7, 9], 0.25), ([4], 0.25)]  # priors of 1/2 each
+    assert ctx.computed == 3  # the model's nodes: 7, 9 and 4
+    drafter.accept(ctx, [7, 9, 5], 2)  # the path 7 9 held: the model's
+    assert model.told == [2]
+    copy, theirs = drafter.draft_tree(ctx, 4), model.paths
+    lookup_w = sum(w for p, w in copy if p not in theirs)
+    model_w = sum(w for p, w in copy if p in theirs)
+    assert lookup_w > 0 and model_w > lookup_w  # the model held two, the lookup one
+    assert ctx.cache[0].tokens == [5, 6, 7, 8, 9, 5, 6, 7, 9, 5]
+
+
 def test_greedy_output_and_caches_equal_stocks(tiny_llama, tiny_draft, repetitive_prompt):
     """Both drafters propose in one request (the lookup only in its first
     rounds), the output is stock's, and every cache holds exactly prompt
