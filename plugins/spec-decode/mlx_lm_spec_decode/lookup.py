@@ -96,6 +96,11 @@ class LookupFirst(Drafter):
         if g:
             ctx.state["drafted"] = {LOOKUP: g}
             return drafts[:g], (probs[:g] if probs is not None else None)
+        if len(drafts) and "declined" not in ctx.state:
+            # A copy too unlikely to pay for its verify is still scored,
+            # for free, against the tokens that follow: else a lookup
+            # declined at its prior acceptance would never learn better.
+            ctx.state["declined"] = (list(drafts), 0)
         g = self._model_length(ctx, n)
         if not g:
             return [], None
@@ -168,6 +173,7 @@ class LookupFirst(Drafter):
     def accept(self, ctx: DraftContext, tokens: List[int], n_drafted: int) -> None:
         # Each is told of its own drafts only: those the accepted path holds.
         kept = self._credit(ctx, ctx.state.pop("drafted", None) or {}, tokens[:n_drafted])
+        self._score_declined(ctx, tokens)
         if MODEL not in kept:
             ctx.state["idle"] = ctx.state.get("idle", 0) + len(tokens)
         self.lookup.accept(self._ctx(ctx, LOOKUP), tokens, kept.get(LOOKUP, 0))
@@ -188,6 +194,19 @@ class LookupFirst(Drafter):
                 self._acceptance(ctx, which).observe(k, a)
                 kept[which] = a
         return kept
+
+    def _score_declined(self, ctx: DraftContext, tokens: List[int]) -> None:
+        """The lookup's declined copy matched against the emitted ``tokens``
+        (a plain step's one, a round's several): its acceptance told once
+        the copy ends or a token differs."""
+        if "declined" not in ctx.state:
+            return
+        copy, a = ctx.state.pop("declined")
+        m = _agree(copy[a:], tokens)
+        if a + m < len(copy) and m == len(tokens):
+            ctx.state["declined"] = (copy, a + m)  # all matched so far: the copy goes on
+            return
+        self._acceptance(ctx, LOOKUP).observe(len(copy), a + m)
 
     def trim(self, ctx: DraftContext, n: int) -> None:
         self.lookup.trim(self._ctx(ctx, LOOKUP), n)

@@ -102,6 +102,25 @@ class Paths(Drafter):
         self.told.append(n_drafted)
 
 
+def test_a_declined_copy_is_scored_for_free_until_it_pays(tiny_llama):
+    """Where a verify costs so much that the lookup's prior acceptance does
+    not pay, its copies are declined but scored against the tokens that
+    follow (no forward): once they hold, the lookup drafts them."""
+    model, tok = tiny_llama
+    drafter = LookupFirst(DraftModelDrafter(model), NGramDrafter(n_min=2))
+    ctx = DraftContext(model, make_prompt_cache(model), drafter.make_cache())
+    cycle = [5, 6, 7, 8, 9, 10, 11, 12]
+    drafter.prefill(ctx, cycle + cycle[:2])
+    ctx.verify_cost, ctx.draft_cost = (2.0, 0.01), 5.0  # a dear verify, a dearer model
+    text = iter((cycle * 8)[2:])
+    declined = 0
+    while not len(drafts := drafter.draft(ctx, 4)[0]):
+        declined += 1
+        drafter.accept(ctx, [next(text)], 0)  # a plain step: the copy's next token
+        assert declined < 12, "the lookup never learned that its copies hold"
+    assert declined >= 1 and isinstance(drafts, list)
+
+
 def test_a_tree_round_holds_both_and_credits_each_with_what_it_kept():
     """Where the model grows trees, one round's tree holds the lookup's copy
     and the model's branches, each source weighing its acceptance; the
@@ -224,6 +243,24 @@ def test_where_the_model_declines_plain_steps_run_pipelined(tiny_llama, repetiti
     never = Counted(NGramDrafter(n_min=1), after=10**6)  # the lookup never proposes
     assert spec(model, Asked(Wrong(), never), prompt, 80) == ref
     assert Asked.asked <= 25, Asked.asked  # about one decision per run, not per token
+
+
+def test_a_pair_whose_verify_is_dear_still_drafts_the_copies(
+    tiny_llama, repetitive_prompt, monkeypatch
+):
+    """The loop's measured verify cost too high for the lookup's prior
+    acceptance: the copies are learned from the emitted text and drafted,
+    with stock's output."""
+    from mlx_lm_spec_decode.controller import Controller
+
+    monkeypatch.setattr(Controller, "verify_cost", lambda self: (2.0, 0.01))
+    monkeypatch.setattr(Controller, "draft_cost", lambda self: 5.0)
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    ref = stock(model, prompt, 60)
+    lookup = Counted(NGramDrafter(n_min=1))
+    assert spec(model, LookupFirst(DraftModelDrafter(model), lookup), prompt, 60) == ref
+    assert last_stats().drafted > 0
 
 
 def _args(**kw):
