@@ -58,6 +58,12 @@ MISS_RUN = 4
 # padded to and what its last request timed (``Controller.timings``); the
 # next request of the same pair starts from it (``Controller.carry``).
 _TIMINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Per target (by id, with a weak reference: a module is not hashable): the
+# round shapes (fed width, tree) it has verified in this process. The first
+# of each built its kernels and graphs (on a GPU, several plain steps):
+# priced on those rounds, a verify looked too dear to ever pay, and the
+# verdict, carried, kept drafting off for every later request.
+_BUILT: dict = {}
 
 
 def n_target_caches(model: nn.Module) -> int:
@@ -414,6 +420,7 @@ class VerifyLoop:
         st.drafted += k
         st.accepted += a
         st.drafting_round(len(out), dt)
+        timed = timed and not self._first_of_shape(k, trials is not None)
         self.ctl.update(k, a, dt, trials, timed, free=self.round_free)
         st.gamma = self.ctl.gamma
         self.drafter.accept(self.ctx, out, a)
@@ -425,6 +432,20 @@ class VerifyLoop:
             st.emitted += 1
             self.emitted += 1
             yield tok, lp[i], i < a
+
+    def _first_of_shape(self, k: int, tree: bool) -> bool:
+        """Whether a round over ``k`` drafts is this process's first of its
+        shape on the target: its seconds built kernels, not a verify's cost."""
+        key = id(self.model)
+        ref, shapes = _BUILT.get(key, (None, None))
+        if ref is None or ref() is not self.model:
+            shapes = set()
+            _BUILT[key] = (weakref.ref(self.model, lambda _: _BUILT.pop(key, None)), shapes)
+        shape = (self.ctl.width(k + 1), tree)
+        if shape in shapes:
+            return False
+        shapes.add(shape)
+        return True
 
     def _draft_limit(self, remaining, room):
         """Most tokens a round may draft: within ``max_tokens``, the caches'

@@ -555,3 +555,45 @@ def test_a_slow_first_draft_does_not_switch_a_cheap_drafter_off(tiny_llama, repe
     assert spec(model, drafter, prompt, 60, k=3) == ref
     again = last_stats()  # the carried draft step: cheap, never judged too dear
     assert not again.off_for_good and again.accepted == again.drafted > 0, again
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_slow_first_verifies_of_each_width_leave_drafting_on(
+    tiny_model, repetitive_prompt, monkeypatch, pair
+):
+    """A process's first verify of each width builds its kernels (on a GPU,
+    several plain steps): judged on those, the verify looked too dear to
+    ever pay, drafting went off for good and every later request of the
+    drafter inherited the verdict. Those rounds time nothing: drafting
+    stays on, in this request and the next ones."""
+    import time as _time
+
+    from mlx_lm_spec_decode import LookupFirst
+    from mlx_lm_spec_decode.loop import VerifyLoop
+
+    model, tok = load(str(tiny_model("llama")))  # a fresh target: no shape built yet
+    prompt = repetitive_prompt(tok, 6)
+    ref = stock(model, prompt, 120)
+    built, forward = set(), VerifyLoop.forward
+
+    def building(self, tokens):
+        if tokens.size > 1 and tokens.size not in built:
+            built.add(tokens.size)
+            _time.sleep(0.05)
+        return forward(self, tokens)
+
+    monkeypatch.setattr(VerifyLoop, "forward", building)
+
+    class Wrong(Drafter):  # a model drafter that reads hidden states, never right
+        name = "wrong"
+        needs_hidden = True
+
+        def draft(self, ctx, n):
+            return mx.array([0] * n, mx.uint32), None
+
+    lookup = NGramDrafter(n_min=1)
+    drafter = LookupFirst(Wrong(), lookup) if pair else lookup
+    for _ in range(3):
+        assert spec(model, drafter, prompt, 120) == ref
+        s = last_stats()
+        assert not s.off_for_good and s.accepted >= 60, s
