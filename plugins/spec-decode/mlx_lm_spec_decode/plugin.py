@@ -249,8 +249,11 @@ def make_drafter(
     drafter = _drafter(command, which, model, tokenizer, draft_model, args)
     if not getattr(args, "draft_lookup", False) or which in LOOKUPS:
         return drafter
+    # Trees where the model drafter grows them (the assistant): one tree of
+    # the lookup's copies and the model's branches a round.
+    tree = getattr(drafter, "tree", False)
     lookup = NGramDrafter(
-        n_max=args.ngram_max, n_min=args.ngram_min, tree=False, **_options(args, "ngram")
+        n_max=args.ngram_max, n_min=args.ngram_min, tree=tree, **_options(args, "ngram")
     )
     return LookupFirst(drafter, lookup)
 
@@ -264,8 +267,11 @@ def _drafter(command, which, model, tokenizer, draft_model, args):
     opts = _options(args, which)
     tree = getattr(args, "draft_tree", "auto") != "off"
     if which == "assistant":
-        # Chains: its trees (AssistantDrafter(tree=True)) measured slower on a GPU.
-        return _assistant(model, args, opts)
+        # Chains alone (its trees measured slower on a GPU); trees beside a
+        # lookup, which grow only where the assistant's rounds pay.
+        return _assistant(
+            model, args, {**opts, "tree": tree and getattr(args, "draft_lookup", False)}
+        )
     if which == "suffix":
         return SuffixDrafter(
             _corpus_tokens(args),

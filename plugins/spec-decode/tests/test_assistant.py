@@ -577,7 +577,13 @@ def test_plugin_flags(llama, trained, tmp_path):
     )
     plugin._check(args)
     got = plugin.make_drafter("generate", model, tok, None, args, options=None)
-    assert isinstance(got, A.AssistantDrafter) and got.max_draft == 6
+    assert isinstance(got, A.AssistantDrafter) and got.max_draft == 6 and not got.tree
+    # Beside the lookup it grows trees (one tree of both a round), unless --draft-tree off.
+    for tree, grows in (("auto", True), ("off", False)):
+        pair_args = Namespace(**{**vars(args), "draft_lookup": True, "draft_tree": tree})
+        pair = plugin.make_drafter("generate", model, tok, None, pair_args, options=None)
+        assert pair.name == "ngram+assistant" and pair.tree == grows
+        assert pair.model.tree == pair.lookup.tree == grows
     with pytest.raises(PluginError, match="--drafter-path"):
         plugin._check(Namespace(**{**vars(args), "drafter_path": None}))
     with pytest.raises(PluginError, match="does not exist"):
