@@ -98,10 +98,9 @@ def add_arguments(command: str, group: argparse._ArgumentGroup) -> None:
         "--draft-tree",
         choices=("auto", "off"),
         default="auto",
-        help="Token trees (ngram, suffix; the assistant beside --draft-lookup): verify several "
-        "drafted continuations in one "
-        "forward where the measured cost of a wider forward pays for them ('auto'), or "
-        "only ever one chain ('off'). Default: auto.",
+        help="Token trees (ngram, suffix; the assistant beside --draft-lookup): verify "
+        "several drafted continuations in one forward where the measured cost of a wider "
+        "forward pays for them ('auto'), or only ever one chain ('off'). Default: auto.",
     )
     group.add_argument(
         "--draft-lookup",
