@@ -76,7 +76,7 @@ def load_net(path: PathLike, cfg: Optional[AssistantConfig] = None) -> Assistant
 def load(path: PathLike, model: nn.Module, **options: Any) -> AssistantDrafter:
     """An ``AssistantDrafter`` for ``model`` from a trained folder; raises
     ``AssistantMismatch`` if it was made for another model. ``options``:
-    ``max_draft``, ``adaptive``, ``auto_off``."""
+    ``max_draft``, ``adaptive``, ``auto_off``, ``tree``."""
     cfg = read_config(path)
     split = target_mod.split(model)
     check_fingerprint(cfg.target, fingerprint(model, split), where=f"the drafter in {path}")
