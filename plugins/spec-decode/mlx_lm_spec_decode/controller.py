@@ -160,6 +160,7 @@ class Controller(policy.Policy):
         trials: Optional[int] = None,
         timed: bool = True,
         free: bool = False,
+        built: bool = True,
     ) -> None:
         """A round drafted ``k`` tokens (0: a plain step), kept ``a``, took
         ``dt`` seconds (``trials``: a branching token tree's, the drafts its
@@ -168,14 +169,16 @@ class Controller(policy.Policy):
         False where its forward ran behind a plain step, so ``dt`` is what
         it added to the run, not what a verify costs; ``free``: its drafts
         cost nothing to draft, a lookup's, where the drafter also computes
-        some)."""
+        some; ``built``: False for the first round of its shape, which
+        built kernels: neither its cost nor its rate is drafting's)."""
         if k == 0:
             self.plain_step(1, dt)
             return
         self.drafting_rounds += 1
         tree = trials is not None
         drafting = 0.0 if free else k * self._draft()
-        self.verify_round(1, self.width(k + 1), dt, tree, a + 1, timed, drafting)
+        tokens = a + 1 if built else 0
+        self.verify_round(1, self.width(k + 1), dt, tree, tokens, timed and built, drafting)
         self.acceptance.observe(trials if tree else k, a)
         if self.adaptive:
             self.gamma = self._next_gamma(a == k)

@@ -420,8 +420,8 @@ class VerifyLoop:
         st.drafted += k
         st.accepted += a
         st.drafting_round(len(out), dt)
-        timed = timed and not self._first_of_shape(k, trials is not None)
-        self.ctl.update(k, a, dt, trials, timed, free=self.round_free)
+        built = not self._first_of_shape(k, trials is not None)
+        self.ctl.update(k, a, dt, trials, timed, free=self.round_free, built=built)
         st.gamma = self.ctl.gamma
         self.drafter.accept(self.ctx, out, a)
         self.told += len(out)
@@ -435,7 +435,8 @@ class VerifyLoop:
 
     def _first_of_shape(self, k: int, tree: bool) -> bool:
         """Whether a round over ``k`` drafts is this process's first of its
-        shape on the target: its seconds built kernels, not a verify's cost."""
+        shape on the target: its seconds built kernels, neither a verify's
+        cost nor drafting's rate."""
         key = id(self.model)
         ref, shapes = _BUILT.get(key, (None, None))
         if ref is None or ref() is not self.model:

@@ -564,8 +564,9 @@ def test_slow_first_verifies_of_each_width_leave_drafting_on(
     """A process's first verify of each width builds its kernels (on a GPU,
     several plain steps): judged on those, the verify looked too dear to
     ever pay, drafting went off for good and every later request of the
-    drafter inherited the verdict. Those rounds time nothing: drafting
-    stays on, in this request and the next ones."""
+    drafter inherited the verdict. Those rounds time nothing, neither the
+    verify's cost nor drafting's rate: drafting stays on, in this request
+    and the next ones."""
     import time as _time
 
     from mlx_lm_spec_decode import LookupFirst
@@ -596,4 +597,4 @@ def test_slow_first_verifies_of_each_width_leave_drafting_on(
     for _ in range(3):
         assert spec(model, drafter, prompt, 120) == ref
         s = last_stats()
-        assert not s.off_for_good and s.accepted >= 60, s
+        assert not s.off_for_good and s.accepted >= 80, s
