@@ -58,12 +58,24 @@ MISS_RUN = 4
 # padded to and what its last request timed (``Controller.timings``); the
 # next request of the same pair starts from it (``Controller.carry``).
 _TIMINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# Per target (by id, with a weak reference: a module is not hashable): the
-# round shapes (fed width, tree) it has verified in this process. The first
-# of each built its kernels and graphs (on a GPU, several plain steps):
-# priced on those rounds, a verify looked too dear to ever pay, and the
-# verdict, carried, kept drafting off for every later request.
-_BUILT: dict = {}
+# Per target (by id: a module is not hashable; forgotten with it): the round
+# shapes (fed width, tree) it has verified in this process. The first of
+# each built its kernels and graphs (on a GPU, several plain steps): priced
+# on those rounds, a verify looked too dear to ever pay, and the verdict,
+# carried, kept drafting off for every later request.
+_BUILT: dict[int, set] = {}
+
+
+def _built_shapes(model: nn.Module) -> set:
+    """The round shapes ``model`` has verified in this process (``_BUILT``)."""
+    key = id(model)
+    if key not in _BUILT:
+        _BUILT[key] = set()
+        try:
+            weakref.finalize(model, _BUILT.pop, key, None)
+        except TypeError:  # not weak-referenceable: kept for the process
+            pass
+    return _BUILT[key]
 
 
 def n_target_caches(model: nn.Module) -> int:
@@ -195,6 +207,7 @@ class VerifyLoop:
         self.round_free = False  # this round's drafts cost nothing to draft (a list)
         self.start = _offset(self.target_cache)
         self.trees = tree_verify.TreeRounds.start(self)  # None: chains only
+        self.built = _built_shapes(model)  # round shapes whose kernels exist
 
     def _carry_timings(self):
         try:
@@ -437,15 +450,10 @@ class VerifyLoop:
         """Whether a round over ``k`` drafts is this process's first of its
         shape on the target: its seconds built kernels, neither a verify's
         cost nor drafting's rate."""
-        key = id(self.model)
-        ref, shapes = _BUILT.get(key, (None, None))
-        if ref is None or ref() is not self.model:
-            shapes = set()
-            _BUILT[key] = (weakref.ref(self.model, lambda _: _BUILT.pop(key, None)), shapes)
         shape = (self.ctl.width(k + 1), tree)
-        if shape in shapes:
+        if shape in self.built:
             return False
-        shapes.add(shape)
+        self.built.add(shape)
         return True
 
     def _draft_limit(self, remaining, room):

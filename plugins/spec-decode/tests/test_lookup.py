@@ -258,8 +258,8 @@ def test_a_pair_whose_verify_is_dear_still_drafts_the_copies(
     model, tok = tiny_llama
     prompt = repetitive_prompt(tok)
     ref = stock(model, prompt, 60)
-    lookup = Counted(NGramDrafter(n_min=1))
-    assert spec(model, LookupFirst(DraftModelDrafter(model), lookup), prompt, 60) == ref
+    pair = LookupFirst(DraftModelDrafter(model), NGramDrafter(n_min=1))
+    assert spec(model, pair, prompt, 60) == ref
     assert last_stats().drafted > 0
 
 
