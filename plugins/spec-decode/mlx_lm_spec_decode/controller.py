@@ -24,6 +24,10 @@ class Controller(policy.Policy):
     # A draft step costing this fraction of a plain target step or more cannot
     # pay off: a verify over 2+ tokens already costs more than one step.
     DRAFT_COST = 0.8
+    # Timed drafts (their fastest) before a draft step found that dear
+    # switches drafting off for good: one timing slowed by other work (a
+    # shared machine's scheduler, Python's garbage collector) must not.
+    DRAFT_SURE = 3
     # Where a forward over w tokens costs nearly w plain steps (MLX's CPU
     # kernel for quantized weights), even a drafter right BEST_ACCEPT of the
     # time gains nothing (``Policy.cannot_pay``): judged after EXPLORE verify
@@ -49,6 +53,7 @@ class Controller(policy.Policy):
         self.probe = 0  # plain steps to time before the next round
         self.draft_step = None  # seconds per draft token, when measurable
         self.timed = 0  # drafting rounds whose draft was timed on its own
+        self.draft_samples = 0  # drafts timed in all, carried ones included
         self.drafting_rounds = 0
         self.acceptance = policy.Acceptance()
         self.carried = False  # plain steps timed by an earlier request (``carry``)
@@ -61,18 +66,20 @@ class Controller(policy.Policy):
         plain steps are not timed again before drafting starts, its verify
         cost is known from the first round, and a draft model's step is not
         timed again."""
-        plain, verify, draft_step = timings
+        plain, verify, draft = timings
         self._table(self.plain, 1).extend(plain)
         self._table(self.verify, 1).extend(verify)
         self.carried = len(self.plain[1]) >= 2
-        if draft_step is not None and self.timed < 2:
-            self.draft_step, self.timed = draft_step, 2  # its drafts need no timing
+        if draft is not None and self.timed < 2:
+            # Its drafts need no timing, unless the step looks dear on too few.
+            (self.draft_step, self.draft_samples), self.timed = draft, 2
 
     def timings(self) -> tuple:
         """What this request timed of plain steps, verifies and a draft
-        step (None: not timed, or a free drafter), for ``carry``."""
-        step = self.draft_step if self.timed >= 2 else None
-        return tuple(self.plain.get(1, ())), tuple(self.verify.get(1, ())), step
+        step with its count of timed drafts (None: not timed, or a free
+        drafter), for ``carry``."""
+        draft = (self.draft_step, self.draft_samples) if self.timed >= 2 else None
+        return tuple(self.plain.get(1, ())), tuple(self.verify.get(1, ())), draft
 
     # -------------------------------------------------- the loop asks
 
@@ -119,8 +126,18 @@ class Controller(policy.Policy):
     # -------------------------------------------------- a draft model's step
 
     def time_draft(self) -> bool:
-        """Whether to evaluate this round's (lazy) drafts on their own, to time them."""
-        return self.auto_off and self.timed < 2
+        """Whether to evaluate this round's (lazy) drafts on their own, to
+        time them: the first two, and more while the step looks dear on
+        fewer than ``DRAFT_SURE``."""
+        return self.auto_off and (self.timed < 2 or self._dear_unsure())
+
+    def _dear(self) -> bool:
+        """Whether the timed draft step costs ``DRAFT_COST`` of a plain step or more."""
+        p = self.plain_cost(1)
+        return self.timed >= 2 and p is not None and self._draft() >= self.DRAFT_COST * p
+
+    def _dear_unsure(self) -> bool:
+        return self.draft_samples < self.DRAFT_SURE and not self.lookup and self._dear()
 
     def free_drafts(self) -> None:
         """The drafter computes nothing on the device (n-gram lookup)."""
@@ -136,6 +153,7 @@ class Controller(policy.Policy):
         # The fastest timed draft: a process's first one also builds the
         # draft model's kernels, and would switch a paying drafter off.
         self.timed += 1
+        self.draft_samples += 1
         step = seconds / k
         self.draft_step = step if self.draft_step is None else min(self.draft_step, step)
 
@@ -207,15 +225,18 @@ class Controller(policy.Policy):
 
     def _judge(self) -> None:
         """Drafting off for good where a draft step is as dear as a target
-        step; off where the verify cannot pay (for good once ``VERIFY_SURE``
-        verifies agree); else the rounds judged against plain steps."""
+        step (on ``DRAFT_SURE`` timed drafts); off where the verify cannot
+        pay (for good once ``VERIFY_SURE`` verifies agree); else the rounds
+        judged against plain steps."""
         p = self.plain_cost(1)
         if p is None:
             return
+        if not self.lookup and self._dear():
+            if self.draft_samples >= self.DRAFT_SURE:
+                self.switch_off(1, "a draft step costs about as much as a target step", True)
+            return  # until then, more drafts are timed (``time_draft``)
         draft = 0.0 if self.lookup else self._draft()
-        if self.timed >= 2 and draft >= self.DRAFT_COST * p:
-            self.switch_off(1, "a draft step costs about as much as a target step", True)
-        elif self.cannot_pay(1, draft):
+        if self.cannot_pay(1, draft):
             sure = len(self.verify.get(1, ())) >= self.VERIFY_SURE
             self.switch_off(1, "a verify forward costs too many plain steps to gain", sure)
         else:

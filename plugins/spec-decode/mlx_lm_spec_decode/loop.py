@@ -360,7 +360,7 @@ class VerifyLoop:
                 yield from self._emit(lp, out, a, k, t0, trials)
                 return
         else:
-            drafts, q = self._draft(k_req, t0)
+            drafts, q = self._draft(k_req)
         k = drafts.size
         if k == 0:
             yield from self._nothing_drafted(remaining, t0)
@@ -480,11 +480,12 @@ class VerifyLoop:
             room = min(room, self.quantized_kv_start - _offset(self.target_cache))
         return room
 
-    def _draft(self, k_req, t0):
+    def _draft(self, k_req):
         """The drafter's proposal as an array, and its probabilities (or None).
         A list of ids cost nothing to draft (a lookup); an array was computed
         on the device, and once one was, the drafter is never taken for a
         free one (``LookupFirst`` returns both kinds)."""
+        t0 = time.perf_counter()  # the draft's own time, not the round's set-up
         drafts, q = self.drafter.draft(self.ctx, k_req)
         self.round_free = not isinstance(drafts, mx.array)
         if self.round_free:

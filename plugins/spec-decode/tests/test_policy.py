@@ -188,7 +188,7 @@ def test_a_verify_or_a_draft_step_that_can_never_pay_switches_off_for_good():
     quantized kernel), no drafter could pay: a back-off first (two verifies
     may have been slowed by other work), then off for the request once
     VERIFY_SURE verifies agree. A draft step as dear as a target step is
-    off for good at once."""
+    off for good once DRAFT_SURE timed drafts agree."""
     ctl = Controller(3, 8)
     ctl.update(0, 0, 1.0)
     ctl.update(0, 0, 1.0)
@@ -205,8 +205,32 @@ def test_a_verify_or_a_draft_step_that_can_never_pay_switches_off_for_good():
     dear = Controller(3, 8)
     dear.update(0, 0, 1.0)
     dear.update(0, 0, 1.0)
-    dear.drafted(1, 0.9)
-    dear.drafted(1, 0.9)  # a draft step: 0.9 of a target step
-    dear.update(1, 1, 1.0 + 0.9)
+    for _ in range(Controller.DRAFT_SURE):
+        assert not dear.switched_off and dear.time_draft()
+        dear.drafted(1, 0.9)  # a draft step: 0.9 of a target step
+        dear.update(1, 1, 1.0 + 0.9)
     assert dear.for_good and dear.off_for >= policy.FOREVER // 2
     assert dear.why == "a draft step costs about as much as a target step"
+
+
+def test_one_slow_timing_does_not_make_a_cheap_draft_step_dear():
+    """Two timed drafts, one built kernels and one was slowed by other
+    work: the step looks as dear as a target step, but drafting stays on
+    and more drafts are timed; the first cheap one ends it. Carried to the
+    drafter's next request, the step is timed again the same way."""
+    for carried in (False, True):
+        ctl = Controller(3, 8)
+        ctl.update(0, 0, 1.0)
+        ctl.update(0, 0, 1.0)
+        if carried:
+            ctl.carry(((1.0, 1.0), (), (0.9, 2)))
+        else:
+            ctl.drafted(1, 5.0)  # its kernels built
+            ctl.drafted(3, 2.7)  # slowed: 0.9 of a target step a token
+        for _ in range(3):
+            ctl.update(3, 3, 1.5 + 3 * 0.9)  # every draft kept
+        assert not ctl.switched_off and ctl.time_draft()
+        ctl.drafted(3, 0.03)  # its real cost
+        ctl.update(3, 3, 1.5 + 3 * 0.01)
+        assert not ctl.switched_off and not ctl.time_draft()
+        assert ctl.draft_cost() == pytest.approx(0.01)
