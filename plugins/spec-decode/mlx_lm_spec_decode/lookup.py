@@ -36,7 +36,7 @@ prices a round's drafting from that (a list costs nothing to draft).
 import dataclasses
 from typing import Any, List, Optional
 
-from . import policy
+from . import policy, sampling
 from .drafter import DraftContext, Drafter
 from .tree import trie
 
@@ -188,8 +188,8 @@ class LookupFirst(Drafter):
             if isinstance(drafts, int):
                 k, a = drafts, len(path)
             else:
-                a = max(_agree(p, path) for p in drafts)
-                k = max(len(p) for p in drafts if _agree(p, path) == a)
+                a = max(sampling.kept(p, path) for p in drafts)
+                k = max(len(p) for p in drafts if sampling.kept(p, path) == a)
             if k:
                 self._acceptance(ctx, which).observe(k, a)
                 kept[which] = a
@@ -202,11 +202,11 @@ class LookupFirst(Drafter):
         if "declined" not in ctx.state:
             return
         copy, a = ctx.state.pop("declined")
-        m = _agree(copy[a:], tokens)
-        if a + m < len(copy) and m == len(tokens):
-            ctx.state["declined"] = (copy, a + m)  # all matched so far: the copy goes on
+        a, ended = policy.follow(copy, a, tokens)
+        if not ended:
+            ctx.state["declined"] = (copy, a)  # all matched so far: the copy goes on
             return
-        self._acceptance(ctx, LOOKUP).observe(len(copy), a + m)
+        self._acceptance(ctx, LOOKUP).observe(len(copy), a)
 
     def trim(self, ctx: DraftContext, n: int) -> None:
         self.lookup.trim(self._ctx(ctx, LOOKUP), n)
@@ -215,13 +215,3 @@ class LookupFirst(Drafter):
     def flush(self, ctx: DraftContext) -> None:
         self.lookup.flush(self._ctx(ctx, LOOKUP))
         self.model.flush(self._ctx(ctx, MODEL))
-
-
-def _agree(drafts: List[int], path: List[int]) -> int:
-    """How many of ``drafts`` the accepted ``path`` begins with."""
-    n = 0
-    for d, t in zip(drafts, path, strict=False):
-        if d != t:
-            break
-        n += 1
-    return n

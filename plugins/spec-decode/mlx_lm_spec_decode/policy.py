@@ -24,6 +24,7 @@ from collections import deque
 from statistics import fmean, median
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
+from . import sampling
 from . import target as target_mod
 
 Cost = Tuple[float, float, float]  # (p, extra, b)
@@ -527,6 +528,15 @@ class Policy:
 RESUME_HITS = 3  # guesses kept in a row while drafting is off before it resumes
 
 
+def follow(guess: List[int], pos: int, tokens: List[int]) -> Tuple[int, bool]:
+    """A guess never verified (drafting off, or a copy declined), kept up to
+    ``pos``, read on against the ``tokens`` emitted since: how far it is
+    kept now, and whether it has ended (a token differed, or it was kept to
+    its end), to be scored as a round of ``len(guess)`` drafts would be."""
+    m = sampling.kept(guess[pos:], tokens)
+    return pos + m, pos + m >= len(guess) or m < len(tokens)
+
+
 def resume_watch(
     guess: Callable[[], List[int]],
     last: Callable[[], int],
@@ -543,14 +553,13 @@ def resume_watch(
     state = {"guess": [], "pos": 0, "hits": 0}
 
     def watch() -> bool:
-        g, pos = state["guess"], state["pos"]
-        hit = pos < len(g) and g[pos] == last()
-        state["hits"] = state["hits"] + 1 if hit else 0
-        if hit and pos + 1 < len(g):
-            state["pos"] = pos + 1
-        else:  # a miss, or the guess kept to its end: ask again for what follows
+        g = state["guess"]
+        kept, ended = follow(g, state["pos"], [last()])
+        state["hits"] = state["hits"] + 1 if kept > state["pos"] else 0
+        state["pos"] = kept
+        if ended:  # a miss, or the guess kept to its end: ask again for what follows
             if g and score is not None:
-                score(len(g), pos + hit)
+                score(len(g), kept)
             state["guess"], state["pos"] = [int(t) for t in guess()], 0
         return state["hits"] >= RESUME_HITS
 
