@@ -22,7 +22,11 @@ must pick among occurrences without knowing the output. A fourth column
 position instead (the latest occurrence of the longest suffix, as
 ``--drafter ngram`` finds it) and lets the oracle choose only how many of
 its tokens to verify: what that drafter could reach with a perfect choice
-of draft length.
+of draft length. A fifth (``n-gram tree``) takes the drafter's own token
+tree at each position as a memory-bound device gets it (verify columns
+priced free: earlier occurrences and one-token contexts too) and the 15
+nodes the serial loop would verify of it (``tree.select`` at the loop's
+prior continuation rate); the longest of its paths that holds is kept.
 
 Costs are measured here: a forward over ``[B, W]`` after a 512-token cache
 (median of ``--reps``), in plain steps of the same batch size. With
@@ -66,12 +70,20 @@ from common import (
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from mlx_lm_spec_decode import NGramDrafter
+from mlx_lm_spec_decode import DraftContext, NGramDrafter
+from mlx_lm_spec_decode import tree as tree_mod
+from mlx_lm_spec_decode.tree_verify import TreeRounds
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 # (column, n): the oracle's copies preceded by n matching tokens; None: the
 # n-gram drafter's proposals, of which the oracle picks how many to verify.
-CONTEXTS = (("n >= 2", 2), ("n >= 1", 1), ("any", 0), ("n-gram drafts", None))
+CONTEXTS = (
+    ("n >= 2", 2),
+    ("n >= 1", 1),
+    ("any", 0),
+    ("n-gram drafts", None),
+    ("n-gram tree", "tree"),
+)
 
 
 def header(first):
@@ -114,7 +126,7 @@ def ngram_lengths(context, output, cap):
     """For each output position i: how many of ``output[i:]`` the n-gram
     drafter's proposal there (``cap`` tokens) gets right, with the index
     the drafter builds (its default n-gram lengths)."""
-    (index,), lengths = NGramDrafter().make_cache(), []
+    (index,), lengths = NGramDrafter(tree=False).make_cache(), []  # chains' contexts
     index.extend(context)
     for i, tok in enumerate(output):
         draft = index.lookup(cap)
@@ -126,10 +138,39 @@ def ngram_lengths(context, output, cap):
     return lengths
 
 
+def tree_lengths(context, output, cap):
+    """For each output position i: how far the deepest path of the n-gram
+    drafter's token tree there agrees with ``output[i:]``, of the ``cap``
+    nodes the serial loop verifies where columns are free."""
+    drafter, free, lengths = NGramDrafter(), (1.0, 0.0), []
+    ctx = DraftContext(None, [], drafter.make_cache(), verify_cost=free)
+    drafter.prefill(ctx, list(context))
+    acc, rej = TreeRounds.PRIOR
+    for i, tok in enumerate(output):
+        paths, k = drafter.draft_tree(ctx, cap), 0
+        if paths:
+            tokens, parents, shares = tree_mod.trie(paths)
+            depth = tree_mod.depths(parents)
+            probs = [s * (acc / (acc + rej)) ** d for s, d in zip(shares, depth, strict=True)]
+            keep = set(tree_mod.select(parents, probs, cap, free))
+            kids, node = tree_mod.children(parents), 0
+            while i + k < len(output):
+                nxt = [c for c in kids[node] if c in keep and tokens[c] == output[i + k]]
+                if not nxt:
+                    break
+                node, k = nxt[0], k + 1
+        lengths.append(k)
+        drafter.accept(ctx, [tok], 0)
+    return lengths
+
+
 def lengths_for(context, output, n, cap):
-    """``copy_lengths``, or ``ngram_lengths`` for the column whose ``n`` is None."""
+    """``copy_lengths``, or the drafter's own: ``ngram_lengths`` for the
+    column whose ``n`` is None, ``tree_lengths`` for ``"tree"``."""
     if n is None:
         return ngram_lengths(context, output, cap)
+    if n == "tree":
+        return tree_lengths(context, output, cap)
     return copy_lengths(context, output, n, cap)
 
 

@@ -43,16 +43,30 @@ class NGramCache(TokenHistory):
             toks.append(int(t))
             undo.append(changes)
 
-    def match(self):
-        """``(n, start)``: the longest suffix seen before and where its
-        continuation starts, or ``(0, None)``."""
+    def match(self, floor: int = 1):
+        """``(n, start)``: the longest suffix seen before (of ``floor``
+        tokens or more) and where its continuation starts, or ``(0, None)``."""
         toks = self.tokens
         size = len(toks)
-        for n in range(min(self.n_max, size), self.n_min - 1, -1):
+        for n in range(min(self.n_max, size), max(self.n_min, floor) - 1, -1):
             start = self.index.get(tuple(toks[size - n :]))
             if start is not None:
                 return n, start
         return 0, None
+
+    def starts(self, n: int, most: int) -> list[int]:
+        """Where the continuations of the history's last ``n`` tokens start,
+        the latest occurrence first, at most ``most`` of them. Each
+        occurrence's undo entry holds the index's value before it: the
+        occurrence before."""
+        toks = self.tokens
+        if not self.n_min <= n <= min(self.n_max, len(toks)):
+            return []
+        out, start = [], self.index.get(tuple(toks[len(toks) - n :]))
+        while start is not None and len(out) < most:
+            out.append(start)
+            start = self.undo[start][n - self.n_min][1]
+        return out
 
     def copy(self, start, n_tokens):
         # Copy LZ77-style: a match running into the present repeats.
@@ -123,6 +137,8 @@ class NGramDrafter(Drafter):
     DECAY = 0.8
     MIN_TRIES = 3.0  # decayed tries before a length may be silenced
     MIN_HIT = 0.34
+    TREE_MIN = 1  # the shortest context a tree copies after, where columns are free
+    OCCURRENCES = 4  # occurrences of each context a tree copies, where columns are free
 
     def __init__(
         self,
@@ -143,14 +159,18 @@ class NGramDrafter(Drafter):
     def __repr__(self):
         return f"NGramDrafter(n_max={self.n_max}, n_min={self.n_min}, max_draft={self.max_draft})"
 
+    def _indexed(self) -> int:
+        """The shortest n-gram the index holds: a tree's contexts go shorter."""
+        return min(self.n_min, self.TREE_MIN) if self.tree else self.n_min
+
     def make_cache(self) -> list[Any]:
-        return [NGramCache(self.n_min, self.n_max)]
+        return [NGramCache(self._indexed(), self.n_max)]
 
     def cache_ok(self, caches: list[Any]) -> bool:
         return (
             len(caches) == 1
             and isinstance(caches[0], NGramCache)
-            and (caches[0].n_min, caches[0].n_max) == (self.n_min, self.n_max)
+            and (caches[0].n_min, caches[0].n_max) == (self._indexed(), self.n_max)
         )
 
     def prefill(self, ctx: DraftContext, tokens: list[int]) -> None:
@@ -158,7 +178,7 @@ class NGramDrafter(Drafter):
 
     def draft(self, ctx: DraftContext, n: int) -> tuple[list[int], None]:
         cache = ctx.cache[0]
-        length, start = cache.match()
+        length, start = cache.match(self.n_min)
         if not length:
             return [], None
         tokens = cache.copy(start, self._length(ctx, n, length))
@@ -179,23 +199,32 @@ class NGramDrafter(Drafter):
 
     def draft_tree(self, ctx: DraftContext, n: int) -> list[tuple[list[int], float]]:
         """The continuations of the latest match of each heard length (a
-        shorter n-gram may have occurred later, elsewhere): a token tree's
-        paths, each weighted 1."""
+        shorter n-gram may have occurred later, elsewhere). Where the
+        verify's columns cost nothing (``ctx.verify_cost``: a memory-bound
+        device), also up to ``OCCURRENCES`` earlier ones of each length,
+        down to ``TREE_MIN`` tokens of context, and a silent length's once a
+        heard one proposes: the window is paid for anyway, and the round
+        keeps the longest path that holds. A token tree's paths, a longer
+        context's weighted more (it is likelier to go on as before)."""
         cache = ctx.cache[0]
         toks, hits = cache.tokens, ctx.state.setdefault("hits", {})
-        paths, starts = [], set()
-        for length in range(min(self.n_max, len(toks)), self.n_min - 1, -1):
-            start = cache.index.get(tuple(toks[len(toks) - length :]))
-            if start is None or start in starts:
-                continue
-            tokens = cache.copy(start, self._length(ctx, n, length))
-            if not starts:
-                ctx.state["guess"] = (length, tokens[0])  # the longest: checked in accept
-            starts.add(start)
+        free = policy.free_columns(ctx.verify_cost)
+        floor, most = (cache.n_min, self.OCCURRENCES) if free else (self.n_min, 1)
+        heard, silent, seen = [], [], set()
+        for length in range(min(self.n_max, len(toks)), floor - 1, -1):
             tries, right = hits.get(length, (0.0, 0.0))
-            if not (tries >= self.MIN_TRIES and right < self.MIN_HIT * tries):
-                paths.append((tokens, 1.0))
-        return paths
+            quiet = tries >= self.MIN_TRIES and right < self.MIN_HIT * tries
+            for start in cache.starts(length, most):
+                if start in seen:
+                    continue  # the same occurrence, found with a longer context
+                tokens = cache.copy(start, self._length(ctx, n, length))
+                if not seen:
+                    ctx.state["guess"] = (length, tokens[0])  # the longest: checked in accept
+                seen.add(start)
+                (silent if quiet else heard).append((tokens, 2.0 ** (length - self.n_max)))
+        # A silent length never makes a round (it guesses wrong too often to
+        # be worth a wider window), but rides free in one that is made.
+        return heard + silent if heard and free else heard
 
     def accept(self, ctx: DraftContext, tokens: list[int], n_drafted: int) -> None:
         guess = ctx.state.pop("guess", None)

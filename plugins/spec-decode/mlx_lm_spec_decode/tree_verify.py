@@ -46,10 +46,11 @@ class TreeRounds:
     the drafter's shares into acceptance estimates."""
 
     DECAY = 0.9
+    PRIOR = (1.5, 1.0)  # accepted, rejected before any round: a rate of 0.6
 
     def __init__(self, loop: Any):
         self.loop = loop
-        self.acc, self.rej = 1.5, 1.0  # a prior of 0.6
+        self.acc, self.rej = self.PRIOR
         self.pending: Optional[tuple[list[int], list[int]]] = None
         # A drafter that computes on the device (the assistant), not a lookup.
         self.computes = getattr(loop.drafter, "needs_hidden", False)

@@ -65,6 +65,18 @@ def test_ngram_lengths_score_the_drafters_own_proposal():
     assert ceiling.copy_lengths(context, output, 2, 4)[2] == 1
 
 
+def test_tree_lengths_hold_earlier_occurrences_and_one_token_contexts():
+    # The latest "1 2" went on as "6", an earlier one as "5 8": the chain
+    # drafter gets none of "5 8", its tree on free columns both.
+    context, output = [7, 1, 2, 5, 8, 1, 2, 6, 9, 1, 2], [5, 8]
+    assert ceiling.ngram_lengths(context, output, 4)[0] == 0
+    assert ceiling.tree_lengths(context, output, 15)[0] == 2
+    # "2 3" never occurred, "3" alone did, followed by "5".
+    context, output = [4, 3, 5, 9, 2, 3], [5, 1]
+    assert ceiling.ngram_lengths(context, output, 4)[0] == 0
+    assert ceiling.tree_lengths(context, output, 15)[0] == 1
+
+
 def flat(batches, per_step=1.0, per_column=0.0):
     return {(B, w): per_step + per_column * (w - 1) for B in batches for w in ceiling.WIDTHS}
 

@@ -54,6 +54,10 @@ def test_incremental_index_and_trim_match_brute_force():
         assert c.tokens == ref
         assert c.index == brute_index(ref, 1, 4)
         assert len(c.undo) == len(ref)
+        for n in range(1, min(4, len(ref)) + 1):  # every occurrence, the latest first
+            key = ref[len(ref) - n :]
+            seen = [i + n for i in range(len(ref) - n - 1, -1, -1) if ref[i : i + n] == key]
+            assert c.starts(n, 99) == seen and c.starts(n, 2) == seen[:2]
 
 
 def test_copy_state_roundtrip_and_cache_interface():
@@ -114,3 +118,42 @@ def test_short_match_proposes_its_whole_copy_only_where_columns_are_free():
         lengths[name] = d.draft(ctx, 6)[0]
     assert lengths["unmeasured"] == lengths["dear"] == [3, 4]  # about as many as matched
     assert lengths["free"] == [3, 4, 5, 6, 7, 9]  # the whole copy: it costs no more
+
+
+def _tree(d, history, cost, n=4):
+    from mlx_lm_spec_decode import DraftContext
+
+    ctx = DraftContext(None, [], d.make_cache(), verify_cost=cost)
+    d.prefill(ctx, history)
+    return ctx, sorted(d.draft_tree(ctx, n), key=lambda p: -p[1])
+
+
+def test_a_free_tree_copies_earlier_occurrences_and_one_token_contexts():
+    """Where verify columns cost nothing, the tree holds, beside the latest
+    match of each length, earlier occurrences and one-token contexts (a
+    longer context weighted more); where they cost, the latest match of
+    each length of two tokens or more, as a chain drafter sees."""
+    d = NGramDrafter(n_max=3, n_min=2)
+    # "1 2" went on as 3 4 and, earlier, as 5 6; "2" alone, once, as 7 8.
+    history = [1, 2, 5, 6, 9, 2, 7, 8, 9, 1, 2, 3, 4, 0, 1, 2]
+    _, dear = _tree(d, history, (1.0, 0.2), 2)
+    assert [p for p, _ in dear] == [[3, 4]]
+    _, free = _tree(d, history, (1.0, 0.0), 2)
+    assert [p for p, _ in free] == [[3, 4], [5, 6], [7, 8]]
+    assert free[0][1] == free[1][1] > free[2][1]  # two tokens of context, then one
+    # The index holds single tokens for the trees; chains still need n_min.
+    ctx, _ = _tree(d, [5, 2, 7, 8, 9, 2], (1.0, 0.0))
+    assert ctx.cache[0].match()[0] == 1 and d.draft(ctx, 2)[0] == []
+
+
+def test_a_silent_length_rides_only_in_a_round_a_heard_one_makes():
+    """A length silenced for guessing wrong proposes nothing on its own,
+    but where columns are free its copies join a tree a heard length
+    proposes."""
+    d = NGramDrafter(n_max=3, n_min=2)
+    history = [1, 2, 5, 6, 9, 2, 7, 8, 9, 1, 2, 3, 4, 0, 1, 2]
+    ctx, _ = _tree(d, history, (1.0, 0.0), 2)
+    ctx.state["hits"] = {2: (5.0, 0.0)}  # two tokens of context: always wrong
+    assert [p for p, _ in d.draft_tree(ctx, 2)] == [[7, 8], [3, 4], [5, 6]]
+    ctx.state["hits"] = {2: (5.0, 0.0), 1: (5.0, 0.0)}  # every length silent
+    assert d.draft_tree(ctx, 2) == []
