@@ -72,7 +72,8 @@ class Controller(policy.Policy):
         self.carried = len(self.plain[1]) >= 2
         if draft is not None and self.timed < 2:
             # Its drafts need no timing, unless the step looks dear on too few.
-            (self.draft_step, self.draft_samples), self.timed = draft, 2
+            self.draft_step, self.draft_samples = draft
+            self.timed = 2
 
     def timings(self) -> tuple:
         """What this request timed of plain steps, verifies and a draft
@@ -137,6 +138,7 @@ class Controller(policy.Policy):
         return self.timed >= 2 and p is not None and self._draft() >= self.DRAFT_COST * p
 
     def _dear_unsure(self) -> bool:
+        """A model's draft step looks dear, but on fewer than ``DRAFT_SURE`` timed drafts."""
         return self.draft_samples < self.DRAFT_SURE and not self.lookup and self._dear()
 
     def free_drafts(self) -> None:

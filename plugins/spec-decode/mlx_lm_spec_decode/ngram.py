@@ -209,7 +209,7 @@ class NGramDrafter(Drafter):
         cache = ctx.cache[0]
         toks, hits = cache.tokens, ctx.state.setdefault("hits", {})
         free = policy.free_columns(ctx.verify_cost)
-        floor, most = (cache.n_min, self.OCCURRENCES) if free else (self.n_min, 1)
+        floor, most = (self._indexed(), self.OCCURRENCES) if free else (self.n_min, 1)
         heard, silent, seen = [], [], set()
         for length in range(min(self.n_max, len(toks)), floor - 1, -1):
             tries, right = hits.get(length, (0.0, 0.0))
