@@ -150,8 +150,7 @@ def tree_lengths(context, output, cap):
         paths, k = drafter.draft_tree(ctx, cap), 0
         if paths:
             tokens, parents, shares = tree_mod.trie(paths)
-            depth = tree_mod.depths(parents)
-            probs = [s * (acc / (acc + rej)) ** d for s, d in zip(shares, depth, strict=True)]
+            probs = tree_mod.estimates(parents, shares, acc / (acc + rej))
             keep = set(tree_mod.select(parents, probs, cap, free))
             kids, node = tree_mod.children(parents), 0
             while i + k < len(output):

@@ -46,8 +46,7 @@ class RowTree:
 
     def __init__(self, paths: List[Tuple[List[int], float]], alpha: float, room: int):
         self.tokens, self.parents, shares = tree_mod.trie(paths)
-        depth = tree_mod.depths(self.parents)
-        self.probs = [s * alpha**d for s, d in zip(shares, depth, strict=True)]
+        self.probs = tree_mod.estimates(self.parents, shares, alpha)
         chain = tree_mod.select(self.parents, self.probs, room, None)
         self.chain = [self.tokens[i] for i in chain[1:]]
 

@@ -183,10 +183,15 @@ class NGramDrafter(Drafter):
             return [], None
         tokens = cache.copy(start, self._length(ctx, n, length))
         ctx.state["guess"] = (length, tokens[0])
-        tries, hits = ctx.state.setdefault("hits", {}).get(length, (0.0, 0.0))
-        if tries >= self.MIN_TRIES and hits < self.MIN_HIT * tries:
-            return [], None  # silent: the guess is only checked
+        if self._silent(ctx, length):
+            return [], None  # the guess is only checked
         return tokens, None
+
+    def _silent(self, ctx: DraftContext, length: int) -> bool:
+        """Whether matches of ``length`` have guessed their first token
+        right less than ``MIN_HIT`` of their (decayed) tries this request."""
+        tries, right = ctx.state.setdefault("hits", {}).get(length, (0.0, 0.0))
+        return tries >= self.MIN_TRIES and right < self.MIN_HIT * tries
 
     def _length(self, ctx: DraftContext, n: int, length: int) -> int:
         """Tokens to copy after a match of ``length``: a short match is a
@@ -207,13 +212,12 @@ class NGramDrafter(Drafter):
         keeps the longest path that holds. A token tree's paths, a longer
         context's weighted more (it is likelier to go on as before)."""
         cache = ctx.cache[0]
-        toks, hits = cache.tokens, ctx.state.setdefault("hits", {})
+        toks = cache.tokens
         free = policy.free_columns(ctx.verify_cost)
         floor, most = (self._indexed(), self.OCCURRENCES) if free else (self.n_min, 1)
         heard, silent, seen = [], [], set()
         for length in range(min(self.n_max, len(toks)), floor - 1, -1):
-            tries, right = hits.get(length, (0.0, 0.0))
-            quiet = tries >= self.MIN_TRIES and right < self.MIN_HIT * tries
+            quiet = self._silent(ctx, length)
             for start in cache.starts(length, most):
                 if start in seen:
                     continue  # the same occurrence, found with a longer context

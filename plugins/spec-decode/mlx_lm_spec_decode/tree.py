@@ -49,6 +49,12 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
+def estimates(parents: list[int], shares: list[float], rate: float) -> list[float]:
+    """Each node's chance of ending on the accepted path: its share of the
+    drafted weight (``trie``) times ``rate`` per level below the root."""
+    return [s * rate**d for s, d in zip(shares, depths(parents), strict=True)]
+
+
 def children(parents: list[int]) -> list[list[int]]:
     out: list[list[int]] = [[] for _ in parents]
     for i, p in enumerate(parents):

@@ -105,8 +105,7 @@ class TreeRounds:
         tokens, parents, shares = tree_mod.trie(paths)
         if self.computes:
             self._priced(len(tokens) - 1, time.perf_counter() - t0)
-        rate = self.rate
-        probs = [s * rate**d for s, d in zip(shares, tree_mod.depths(parents), strict=True)]
+        probs = tree_mod.estimates(parents, shares, self.rate)
         width = k_req if cost is None else depth
         keep = tree_mod.select(parents, probs, width, cost)
         if cost is not None and not tree_mod.is_chain(tree_mod.subtree(tokens, parents, keep)[1]):
