@@ -24,9 +24,12 @@ position instead (the latest occurrence of the longest suffix, as
 its tokens to verify: what that drafter could reach with a perfect choice
 of draft length. A fifth (``n-gram tree``) takes the drafter's own token
 tree at each position as a memory-bound device gets it (verify columns
-priced free: earlier occurrences and one-token contexts too) and the 15
-nodes the serial loop would verify of it (``tree.select`` at the loop's
-prior continuation rate); the longest of its paths that holds is kept.
+priced free, a verify at ``--flat-verify`` steps: earlier occurrences and
+one-token contexts too) and the 15 nodes the serial loop would verify of
+it (``tree.select`` at the loop's prior continuation rate); the longest of
+its paths that holds is kept. Its rounds are the drafter's own: one runs
+wherever the drafter proposes, a wrong guess paying its window, and only
+there.
 
 Costs are measured here: a forward over ``[B, W]`` after a 512-token cache
 (median of ``--reps``), in plain steps of the same batch size. With
@@ -138,38 +141,43 @@ def ngram_lengths(context, output, cap):
     return lengths
 
 
-def tree_lengths(context, output, cap):
+def tree_lengths(context, output, cap, verify=1.0):
     """For each output position i: how far the deepest path of the n-gram
     drafter's token tree there agrees with ``output[i:]``, of the ``cap``
-    nodes the serial loop verifies where columns are free."""
-    drafter, free, lengths = NGramDrafter(), (1.0, 0.0), []
-    ctx = DraftContext(None, [], drafter.make_cache(), verify_cost=free)
+    nodes the serial loop verifies where columns are free and a verify
+    costs ``verify`` plain steps; None where the drafter proposes nothing
+    (its rounds are its own: ``simulate(..., own=True)`` charges them)."""
+    drafter, price, lengths = NGramDrafter(), (verify, 0.0), []
+    ctx = DraftContext(None, [], drafter.make_cache(), verify_cost=price)
     drafter.prefill(ctx, list(context))
     acc, rej = TreeRounds.PRIOR
     for i, tok in enumerate(output):
         paths, k = drafter.draft_tree(ctx, cap), 0
-        if paths:
-            tokens, parents, shares = tree_mod.trie(paths)
-            probs = tree_mod.estimates(parents, shares, acc / (acc + rej))
-            keep = set(tree_mod.select(parents, probs, cap, free))
-            kids, node = tree_mod.children(parents), 0
-            while i + k < len(output):
-                nxt = [c for c in kids[node] if c in keep and tokens[c] == output[i + k]]
-                if not nxt:
-                    break
-                node, k = nxt[0], k + 1
+        if not paths:
+            lengths.append(None)
+            drafter.accept(ctx, [tok], 0)
+            continue
+        tokens, parents, shares = tree_mod.trie(paths)
+        probs = tree_mod.estimates(parents, shares, acc / (acc + rej))
+        keep = set(tree_mod.select(parents, probs, cap, price))
+        kids, node = tree_mod.children(parents), 0
+        while i + k < len(output):
+            nxt = [c for c in kids[node] if c in keep and tokens[c] == output[i + k]]
+            if not nxt:
+                break
+            node, k = nxt[0], k + 1
         lengths.append(k)
         drafter.accept(ctx, [tok], 0)
     return lengths
 
 
-def lengths_for(context, output, n, cap):
+def lengths_for(context, output, n, cap, verify=1.0):
     """``copy_lengths``, or the drafter's own: ``ngram_lengths`` for the
-    column whose ``n`` is None, ``tree_lengths`` for ``"tree"``."""
+    column whose ``n`` is None, ``tree_lengths`` (at ``verify``) for ``"tree"``."""
     if n is None:
         return ngram_lengths(context, output, cap)
     if n == "tree":
-        return tree_lengths(context, output, cap)
+        return tree_lengths(context, output, cap, verify)
     return copy_lengths(context, output, n, cap)
 
 
@@ -222,12 +230,14 @@ def pipelined_step(model, cache, B, steps=16):
     return seconds
 
 
-def simulate(lengths, C, cost, laps=1):
+def simulate(lengths, C, cost, laps=1, own=False):
     """Closed loop of C clients over the pool ``lengths`` (each request's
     per-position copy lengths) run ``laps`` times: seconds for stock over
     those for the oracle, and the oracle's tokens per row-forward. With
     ``laps > 1`` the clock stops when the queue runs dry (the steady state:
-    no batch draining at the end)."""
+    no batch draining at the end). ``own``: the lengths are a drafter's,
+    None where it proposed nothing; a round runs whenever a row proposes
+    (a guess that fails still pays its window) and only then."""
 
     def run(oracle):
         queue = [i for _ in range(laps) for i in range(len(lengths))]
@@ -238,10 +248,15 @@ def simulate(lengths, C, cost, laps=1):
             if laps > 1 and not queue and len(rows) < C:
                 break
             B, best = len(rows), (1, [1] * len(rows))
-            if oracle:  # the width with the most tokens per second this round
-                rate = 0.0
-                for W in WIDTHS:
-                    take = [1 + min(lengths[r][p], W - 1, len(lengths[r]) - p - 1) for r, p in rows]
+            here = [lengths[r][p] for r, p in rows]
+            if oracle and not (own and all(k is None for k in here)):
+                # The width with the most tokens per second this round.
+                rate, widths = 0.0, WIDTHS[1:] if own else WIDTHS
+                for W in widths:
+                    take = [
+                        1 + min(k or 0, W - 1, len(lengths[r]) - p - 1)
+                        for k, (r, p) in zip(here, rows, strict=True)
+                    ]
                     if sum(take) / cost[B, W] > rate:
                         rate, best = sum(take) / cost[B, W], (W, take)
             W, take = best
@@ -283,6 +298,7 @@ def main():
     levels = [int(c) for c in args.concurrency.split(",")]
     batches = sorted(set(levels))
     cap = max(WIDTHS) - 1
+    verify = 1.0 if args.flat_verify is None else args.flat_verify  # the tree's price
 
     t0 = time.perf_counter()
     if args.flat_verify is None:
@@ -322,8 +338,8 @@ def main():
             seen = seen + list(prompt) + out  # later requests may copy from it (the corpus)
         cells = []
         for _, n in CONTEXTS:
-            L = [lengths_for(ctx, out, n, cap) for ctx, out in outs]
-            ratio, tpf = simulate(L, 1, {(1, w): costs[1, w] for w in WIDTHS})
+            L = [lengths_for(ctx, out, n, cap, verify) for ctx, out in outs]
+            ratio, tpf = simulate(L, 1, {(1, w): costs[1, w] for w in WIDTHS}, own=n == "tree")
             cells.append(f"{tpf:.2f}, {ratio:.2f}x")
         total = sum(len(o) for _, o in outs)
         print(f"| {name} | {total} | " + " | ".join(cells) + " |", flush=True)
@@ -334,14 +350,16 @@ def main():
         for text in pool:
             prompt = chat(tok, text)
             outs.append((list(prompt), greedy(model, prompt, 128)))
-        by_n = {n: [lengths_for(ctx, out, n, cap) for ctx, out in outs] for _, n in CONTEXTS}
+        by_n = {
+            n: [lengths_for(ctx, out, n, cap, verify) for ctx, out in outs] for _, n in CONTEXTS
+        }
         for C in levels:
             cost = {
                 (B, w): costs[nearest_batch(B, batches), w] for B in range(1, C + 1) for w in WIDTHS
             }
             cells = []
             for _, n in CONTEXTS:
-                ratio, tpf = simulate(by_n[n], C, cost, laps=4)
+                ratio, tpf = simulate(by_n[n], C, cost, laps=4, own=n == "tree")
                 cells.append(f"{tpf:.2f}, {ratio:.2f}x")
             print(f"| {pool_name} | {C} | " + " | ".join(cells) + " |", flush=True)
 

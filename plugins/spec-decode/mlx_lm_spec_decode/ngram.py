@@ -127,8 +127,11 @@ class NGramDrafter(Drafter):
     the first token it would propose was right, and stays silent for a length
     that is right less than ``MIN_HIT`` of the time: on open text short
     matches mostly guess wrong, and a wrong guess costs a wider verify
-    forward. Guesses are checked against the emitted tokens even while a
-    length is silent (no model work), so a length that starts to fit (the
+    forward. Where the verify's columns cost nothing (a memory-bound
+    device) the bar is what a round costs over a plain step, at most
+    ``MIN_HIT``: a round about as cheap as a step pays at any hit rate.
+    Guesses are checked against the emitted tokens even while a length is
+    silent (no model work), so a length that starts to fit (the
     answer starts quoting its input) is heard again.
     """
 
@@ -189,9 +192,21 @@ class NGramDrafter(Drafter):
 
     def _silent(self, ctx: DraftContext, length: int) -> bool:
         """Whether matches of ``length`` have guessed their first token
-        right less than ``MIN_HIT`` of their (decayed) tries this request."""
+        right less often than pays for a round (``_min_hit``) over their
+        (decayed) tries this request."""
         tries, right = ctx.state.setdefault("hits", {}).get(length, (0.0, 0.0))
-        return tries >= self.MIN_TRIES and right < self.MIN_HIT * tries
+        return tries >= self.MIN_TRIES and right < self._min_hit(ctx) * tries
+
+    def _min_hit(self, ctx: DraftContext) -> float:
+        """The hit rate a length needs to be heard: ``MIN_HIT``, or where
+        the verify's columns cost nothing (``ctx.verify_cost`` ``a + b·w``
+        plain steps, ``b`` about 0) what a round costs over the plain step it
+        replaces, ``a - 1``: a round whose first guess is right that often
+        yields at least ``1 + (a - 1)`` tokens for its ``a`` steps."""
+        cost = ctx.verify_cost
+        if not policy.free_columns(cost):
+            return self.MIN_HIT
+        return min(self.MIN_HIT, max(0.0, cost[0] - 1.0))
 
     def _length(self, ctx: DraftContext, n: int, length: int) -> int:
         """Tokens to copy after a match of ``length``: a short match is a

@@ -121,3 +121,16 @@ def test_a_flat_verify_prices_every_width_alike():
     assert cost[1, 1] == 1.0 and {cost[1, w] for w in ceiling.WIDTHS[1:]} == {1.5}
     ratio, tpf = ceiling.simulate([[6, 5, 4, 3, 2, 1, 0]], 1, cost)
     assert tpf == 7.0 and ratio == pytest.approx(7 / 1.5)
+
+
+def test_a_drafters_own_rounds_pay_for_wrong_guesses():
+    # Position 0: a proposal that held for 2 tokens; 3: one that failed; 1,
+    # 2 (covered by the first round) and 4: nothing proposed, plain steps.
+    lengths = [[2, None, None, 0, None]]
+    cost = ceiling.flat_costs([1], 1.5)
+    ratio, tpf = ceiling.simulate(lengths, 1, cost, own=True)
+    # A round of 3 tokens at 1.5, a failed round of 1 at 1.5, a plain step.
+    assert tpf == pytest.approx(5 / 3)
+    assert ratio == pytest.approx((5 / 4.0) / 1.0)
+    # The oracle may not skip the failed round, nor run one where none was proposed.
+    assert ceiling.simulate([[None] * 4], 1, cost, own=True) == (1.0, 1.0)

@@ -152,8 +152,26 @@ def test_a_silent_length_rides_only_in_a_round_a_heard_one_makes():
     proposes."""
     d = NGramDrafter(n_max=3, n_min=2)
     history = [1, 2, 5, 6, 9, 2, 7, 8, 9, 1, 2, 3, 4, 0, 1, 2]
-    ctx, _ = _tree(d, history, (1.0, 0.0), 2)
+    ctx, _ = _tree(d, history, (1.5, 0.0), 2)  # free columns, a round at 1.5 steps
     ctx.state["hits"] = {2: (5.0, 0.0)}  # two tokens of context: always wrong
     assert [p for p, _ in d.draft_tree(ctx, 2)] == [[7, 8], [3, 4], [5, 6]]
     ctx.state["hits"] = {2: (5.0, 0.0), 1: (5.0, 0.0)}  # every length silent
     assert d.draft_tree(ctx, 2) == []
+
+
+def test_the_bar_to_be_heard_is_what_a_round_costs_over_a_step():
+    """A length right a fifth of the time is silent where columns cost or a
+    round costs 1.5 steps, and heard where a round costs about a step: a
+    fifth of a token more per round pays for a tenth of a step."""
+    d = NGramDrafter(n_max=3, n_min=2)
+    history = [1, 2, 5, 6, 9, 1, 2]
+    heard = {}
+    for name, cost in (("dear", (1.0, 0.2)), ("free, 1.5", (1.5, 0.0)), ("free, 1.1", (1.1, 0.0))):
+        ctx, _ = _tree(d, history, cost, 2)
+        ctx.state["hits"] = {2: (5.0, 1.0)}  # right a fifth of the time
+        heard[name] = bool(d.draft(ctx, 2)[0]), bool(d.draft_tree(ctx, 2))
+    assert heard == {
+        "dear": (False, False),
+        "free, 1.5": (False, False),
+        "free, 1.1": (True, True),
+    }
