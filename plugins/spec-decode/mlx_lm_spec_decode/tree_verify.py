@@ -47,11 +47,17 @@ class TreeRounds:
 
     DECAY = 0.9
     PRIOR = (1.5, 1.0)  # accepted, rejected before any round: a rate of 0.6
+    KEPT_MIN = 4  # tree rounds whose kept tokens are compared before they judge trees
+    RETRY = 16  # chain rounds, once trees did not pay, before one more tree
 
     def __init__(self, loop: Any):
         self.loop = loop
         self.acc, self.rej = self.PRIOR
-        self.pending: Optional[tuple[list[int], list[int]]] = None
+        self.pending: Optional[tuple[list[int], list[int], list[int]]] = None
+        # Decayed tokens the tree rounds emitted, and what their chains would
+        # have: the estimates a tree is chosen by, checked against the target.
+        self.kept = [0.0, 0.0, 0]  # tree tokens, chain tokens, tree rounds
+        self.since = 0  # rounds since the last tree
         # A drafter that computes on the device (the assistant), not a lookup.
         self.computes = getattr(loop.drafter, "needs_hidden", False)
 
@@ -107,18 +113,39 @@ class TreeRounds:
             self._priced(len(tokens) - 1, time.perf_counter() - t0)
         probs = tree_mod.estimates(parents, shares, self.rate)
         width = k_req if cost is None else depth
-        keep = tree_mod.select(parents, probs, width, cost)
+        keep, chain = tree_mod.select(parents, probs, width, cost), []
         if cost is not None and not tree_mod.is_chain(tree_mod.subtree(tokens, parents, keep)[1]):
-            # A branching tree only where it beats the chain at its measured price.
+            # A branching tree only where it beats the chain at its measured
+            # price, and while trees have kept what that promised (``pays``).
             chain = tree_mod.best_chain(parents, probs, width, cost)
-            if not tree_mod.tree_pays(probs, keep, chain, cost, loop.ctl.tree_surcharge()):
+            surcharge = loop.ctl.tree_surcharge()
+            if not tree_mod.tree_pays(probs, keep, chain, cost, surcharge) or not self.pays(
+                cost[0] + cost[1] * len(chain), surcharge
+            ):
                 keep = chain
+        self.since += 1
+        chain_tokens = [tokens[i] for i in chain[1:]]
         tokens, parents = tree_mod.subtree(tokens, parents, keep)
         if tree_mod.is_chain(parents):
             return mx.array(tokens[1:], mx.uint32), None
         tokens[0] = loop.y
-        self.pending = (tokens, parents)
+        self.pending = (tokens, parents, chain_tokens)
+        self.since = 0
         return None, None
+
+    def pays(self, chain_cost: float, surcharge: float) -> bool:
+        """Whether trees have emitted enough more than their chains would
+        have (the chain each tree round was chosen over, walked along the
+        path the target took) to pay their surcharge over a chain's verify
+        (``chain_cost`` plain steps, ``surcharge`` more for a tree): the
+        shares a tree is weighed by are the drafter's guesses, and a wide
+        lookup tree's older copies may be right less often than they say.
+        Until ``KEPT_MIN`` tree rounds, and once every ``RETRY`` rounds after
+        trees lost, a tree is tried."""
+        tree, chain, n = self.kept
+        if n < self.KEPT_MIN or self.since >= self.RETRY:
+            return True
+        return tree * chain_cost >= chain * (chain_cost + surcharge)
 
     def _priced(self, nodes: int, seconds: float) -> None:
         """A tree of a drafter on the device (the assistant) was read back:
@@ -136,7 +163,7 @@ class TreeRounds:
         the accepted path met)`` (the last: ``accepted``, plus one where the
         path ends in a rejection)."""
         loop = self.loop
-        tokens, parents = self.pending
+        tokens, parents, chain = self.pending
         self.pending = None
         loop.st.tree_rounds += 1
         # Padded up to the loop's widths, as a chain is.
@@ -159,7 +186,23 @@ class TreeRounds:
         out = [tokens[i] for i in path[1:]] + [int(tok)]
         rejected = bool(tree_mod.children(parents)[path[-1]])
         self.update(len(tokens) - 1, a, rejected)
+        self.record(out[:-1], chain)
         return lp[mx.array(path, mx.int32)], out, a, len(tokens) - 1, a + rejected
+
+    def record(self, accepted: list[int], chain: list[int]) -> None:
+        """A tree round accepted ``accepted``: against the tokens its
+        ``chain`` alone would have emitted (its prefix that the target kept,
+        and the target's token after it), into ``kept``. The chain's count
+        follows greedy acceptance; sampled, it is an estimate."""
+        same = 0
+        while same < min(len(accepted), len(chain)) and accepted[same] == chain[same]:
+            same += 1
+        tree, alone, n = self.kept
+        self.kept = [
+            self.DECAY * tree + len(accepted) + 1,
+            self.DECAY * alone + same + 1,
+            n + 1,
+        ]
 
     def update(self, k: int, a: int, rejected: Optional[bool] = None) -> None:
         """A round verified ``k`` drafted nodes and accepted ``a``."""

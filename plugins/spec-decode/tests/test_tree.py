@@ -97,6 +97,43 @@ def test_tree_surcharge_is_timed_apart_from_chains():
     assert b == pytest.approx(0.05) and ctl.tree_surcharge() == pytest.approx(2.5 - a - 6 * b)
 
 
+def test_trees_give_way_to_chains_once_they_keep_less_than_they_cost():
+    """A tree the estimates favour is drafted until tree rounds have shown
+    what they keep against the chain each replaced: where the target kept
+    no more than the chain would have, chains, with one tree every
+    ``RETRY`` rounds; where the tree's extra tokens pay its surcharge,
+    trees."""
+    from types import SimpleNamespace
+
+    from mlx_lm_spec_decode.tree_verify import TreeRounds
+
+    paths = [([5, 6, 7], 1.0), ([5, 8], 1.0), ([9, 4], 1.0)]  # 5 and 9 disagree
+    drafter = SimpleNamespace(draft_tree=lambda ctx, n: paths, adaptive=True)
+    ctl = SimpleNamespace(
+        verify_cost=lambda: (1.0, 0.0),  # columns free: the whole tree is worth verifying
+        tree_surcharge=lambda: 0.1,  # a tree's verify costs 0.1 step more than a chain's
+        free_drafts=lambda: None,
+    )
+    loop = SimpleNamespace(drafter=drafter, ctl=ctl, ctx=SimpleNamespace(), y=1, free=False)
+
+    def drafts_a_tree(rounds):
+        drafts, _ = rounds.draft(3, 15)
+        return drafts is None
+
+    lost = TreeRounds(loop)
+    for _ in range(TreeRounds.KEPT_MIN):
+        assert drafts_a_tree(lost)
+        lost.record([5, 6], [5, 6, 7])  # the chain alone would have kept as much
+    tried = [drafts_a_tree(lost) for _ in range(2 * TreeRounds.RETRY)]
+    assert sum(tried) == 1  # chains, one tree retried in between
+
+    won = TreeRounds(loop)
+    for _ in range(TreeRounds.KEPT_MIN):
+        assert drafts_a_tree(won)
+        won.record([9, 4], [5, 6, 7])  # the chain's first guess was wrong
+    assert all(drafts_a_tree(won) for _ in range(2 * TreeRounds.RETRY))
+
+
 # ------------------------------------------------------ the tree forward
 
 
