@@ -194,13 +194,10 @@ class TreeRounds:
         ``chain`` alone would have emitted (its prefix that the target kept,
         and the target's token after it), into ``kept``. The chain's count
         follows greedy acceptance; sampled, it is an estimate."""
-        same = 0
-        while same < min(len(accepted), len(chain)) and accepted[same] == chain[same]:
-            same += 1
         tree, alone, n = self.kept
         self.kept = [
             self.DECAY * tree + len(accepted) + 1,
-            self.DECAY * alone + same + 1,
+            self.DECAY * alone + sampling.kept(chain, accepted) + 1,
             n + 1,
         ]
 
