@@ -218,10 +218,18 @@ def test_a_model_dearer_than_the_target_leaves_the_lookup_drafting(tiny_llama, r
     assert 1 <= Dear.rounds <= 4, Dear.rounds
 
 
-def test_where_the_model_declines_plain_steps_run_pipelined(tiny_llama, repetitive_prompt):
+def test_where_the_model_declines_plain_steps_run_pipelined(
+    tiny_llama, repetitive_prompt, monkeypatch
+):
     """Where the lookup has nothing and the model's rounds do not pay, the
     loop runs pipelined plain steps (runs of up to 8, ended by a lookup
     proposal), not one step per drafting decision."""
+    from mlx_lm_spec_decode.controller import Controller
+
+    # Prices pinned as a CPU measures them: the count of decisions must
+    # not follow the timings of a loaded machine.
+    monkeypatch.setattr(Controller, "verify_cost", lambda self: (1.3, 0.05))
+    monkeypatch.setattr(Controller, "draft_cost", lambda self: 0.05)
     model, tok = tiny_llama
     prompt = repetitive_prompt(tok)
     ref = stock(model, prompt, 80)
