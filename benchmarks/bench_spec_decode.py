@@ -7,7 +7,7 @@ Target: SmolLM2-135M-Instruct in float32 (the fast variant on a CPU with
 OpenBLAS). Methods, each on the same prompts, one after the other:
 
 - ``stock``: mlx-lm's plain greedy decoding (``stream_generate`` without a draft model);
-- ``ngram``: this plugin, prompt lookup;
+- ``ngram``: this plugin, prompt lookup (``ngram-chains``: without token trees);
 - ``draft-model``: this plugin, the native 4-bit copy of the model drafting;
 - ``mlx-lm draft``: mlx-lm's own ``--draft-model`` loop with the same 4-bit drafter.
 
@@ -35,6 +35,7 @@ from mlx_lm_ext import models
 
 SHOW_TEXT = False
 SHOW_STATS = False
+METHODS = ("ngram", "ngram-chains", "draft-model", "mlx-lm draft")
 
 
 def stdlib_function(module, name):
@@ -183,6 +184,14 @@ def main():
         "--repeats", type=int, default=2, help="interleaved runs per method; the best counts"
     )
     p.add_argument("--skip-q4-target", action="store_true")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=["ngram", "draft-model", "mlx-lm draft"],
+        help="drafted methods to run against stock (ngram-chains: the n-gram drafter "
+        "without token trees)",
+    )
     p.add_argument("--json", default=None, help="also write every row to this file")
     p.add_argument("--show-text", action="store_true", help="print stock's output per prompt")
     p.add_argument(
@@ -197,11 +206,13 @@ def main():
     mlx_lm_ext.enable("spec-decode")
     f32, tok = load_target(args)
     q4, _ = load(models.build("smollm2-135m", progress=False))
-    drafters = [
-        ("ngram", lambda: sd.NGramDrafter(), 3),
-        ("draft-model", lambda: sd.DraftModelDrafter(q4), 3),
-        ("mlx-lm draft", lambda: q4, 3),  # a plain module: mlx-lm's own loop
-    ]
+    methods = {
+        "ngram": lambda: sd.NGramDrafter(),
+        "ngram-chains": lambda: sd.NGramDrafter(tree=False),
+        "draft-model": lambda: sd.DraftModelDrafter(q4),
+        "mlx-lm draft": lambda: q4,  # a plain module: mlx-lm's own loop
+    }
+    drafters = [(m, methods[m], 3) for m in args.methods]
     print(
         f"# {target_name(args)} target, {args.max_tokens} tokens, greedy, best of {args.repeats}\n",
         flush=True,

@@ -536,8 +536,9 @@ class VerifyLoop:
 
     def _proposal(self) -> list:
         """A free drafter's proposal now, one token longer than a round's
-        drafts: its first guesses the token a queued step is computing."""
-        self.ctx.verify_cost = self.ctl.verify_cost()
+        drafts: its first guesses the token a queued step is computing.
+        ``ctx.verify_cost`` stays as the round that found nothing set it: no
+        round is timed within a run, and this runs after every token."""
         k = self.ctl.gmax if getattr(self.drafter, "sizes_drafts", False) else self.ctl.gamma
         return list(self.drafter.draft(self.ctx, max(1, k) + 1)[0])
 
