@@ -104,10 +104,10 @@ def instrument(acc):
 
         return wrap
 
-    def forward(self, tokens):
+    def forward(self, tokens, *a):
         if tokens.size > 1:
             acc["early widths" if acc["in plain"] else "widths"].append(tokens.size)
-        return timed(saved[1][2], "build" if tokens.size > 1 else "plain build")(self, tokens)
+        return timed(saved[1][2], "build" if tokens.size > 1 else "plain build")(self, tokens, *a)
 
     def plain(self, n, *a, **kw):
         # A run inside a drafting round (a probe, nothing drafted) is also

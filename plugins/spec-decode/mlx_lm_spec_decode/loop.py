@@ -621,7 +621,7 @@ class VerifyLoop:
         before this one is read, so Python's graph building overlaps the
         forward (logits processors need the token itself first)."""
         t_run = time.perf_counter() if t0 is None else t0
-        nxt = self.step(self.y)
+        nxt = self.step(self.y, waited=True)
         mx.async_eval(nxt[:2])
         lazy = self.context is None
         queued = None
@@ -644,7 +644,7 @@ class VerifyLoop:
             if hidden is not None:
                 self.ctx.hidden = hidden[-1:]
             if not lazy and i + 1 < n:
-                nxt = self.step(tok)
+                nxt = self.step(tok, waited=True)
                 mx.async_eval(nxt[:2])
             self.st.forwards += 1
             self.st.emitted += 1
@@ -691,11 +691,12 @@ class VerifyLoop:
         for _ in range(n if per_step else 0):
             self.ctl.update(0, 0, seconds / n)
 
-    def step(self, tok: Any) -> tuple[mx.array, mx.array, Optional[mx.array]]:
+    def step(self, tok: Any, waited: bool = False) -> tuple[mx.array, mx.array, Optional[mx.array]]:
         """The target's next token (lazy), its logprobs and hidden state after
-        ``tok`` (an id, or a lazy one-token array)."""
+        ``tok`` (an id, or a lazy one-token array); ``waited``: the device has
+        nothing queued before it (``target.staged``)."""
         x = tok.astype(mx.uint32) if isinstance(tok, mx.array) else mx.array([tok], mx.uint32)
-        logits, hidden = self.forward(x)
+        logits, hidden = self.forward(x, waited)
         self.quantize()
         lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), x)[0]
         return self.sampler(lp[None]).reshape(-1), lp, hidden
@@ -707,13 +708,16 @@ class VerifyLoop:
 
     # ----------------------------------------------------- the target
 
-    def forward(self, tokens: mx.array) -> tuple[mx.array, Optional[mx.array]]:
+    def forward(
+        self, tokens: mx.array, waited: bool = False
+    ) -> tuple[mx.array, Optional[mx.array]]:
         """Logits ``[L, V]`` over ``tokens``, and the final hidden states
-        ``[L, D]`` when a drafter reads them (else None)."""
+        ``[L, D]`` when a drafter reads them (else None); ``waited``: as
+        ``step`` says."""
         x = tokens[None]
         with (
             target_mod.verify_attention(self.model, x.shape[1], self.attention),
-            target_mod.staged(self.model, x.shape[1]),
+            target_mod.staged(self.model, x.shape[1], waited),
         ):
             if self.split is None:
                 return self.model(x, cache=self.target_cache)[0], None

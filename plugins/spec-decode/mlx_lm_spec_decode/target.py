@@ -123,12 +123,14 @@ def flush_every() -> int:
     return int(how)
 
 
-def staged(model: Any, width: int) -> contextlib.AbstractContextManager:
+def staged(model: Any, width: int, waited: bool = False) -> contextlib.AbstractContextManager:
     """The block's forward over ``width`` tokens flushed every ``flush_every()``
     layers: a verify forward, read back at once, whose graph the device would
-    otherwise wait for in full. A one-token step is left as it is: behind a
-    pipelined step the host builds the next while the device runs."""
-    return host.flush_layers(model, flush_every() if width > 1 else 0)
+    otherwise wait for in full. A one-token step is left as it is (behind a
+    pipelined step the host builds the next while the device runs) unless
+    ``waited``: nothing runs before it (a plain run's first step, after a
+    round's read-back), so the device would idle while its graph is built."""
+    return host.flush_layers(model, flush_every() if width > 1 or waited else 0)
 
 
 def explicit_attention(

@@ -375,6 +375,40 @@ def test_nothing_to_propose_decodes_in_pipelined_runs(tiny_llama, repetitive_pro
     assert Mute.rounds[0] <= from_pos + 2  # the first round's drafts were accepted
 
 
+def test_a_steps_graph_is_handed_over_in_stages_only_where_nothing_runs_before_it(
+    tiny_llama, repetitive_prompt, monkeypatch
+):
+    """With staged forwards on (``MLX_LM_SPEC_FLUSH``), a plain step whose
+    token is waited for with nothing queued before it (a run's first step;
+    every step where logits processors read the tokens) is handed to the
+    device layer by layer, as a verify forward is; the steps built behind
+    a running one are not. Output as stock's either way."""
+    from mlx_lm_ext import api
+
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    n = 30
+    ref = stock(model, prompt, n)
+    monkeypatch.setenv("MLX_LM_SPEC_FLUSH", "1")
+    stages = []
+    real = api.flush_layers
+    monkeypatch.setattr(
+        api, "flush_layers", lambda m, every: stages.append(every) or real(m, every)
+    )
+
+    class Silent(NGramDrafter):  # free, never proposes: plain steps only
+        def draft(self, ctx, k):
+            return [], None
+
+    assert spec(model, Silent(auto_off=False), prompt, n) == ref
+    staged, whole = sum(1 for e in stages if e), sum(1 for e in stages if not e)
+    assert staged and whole > staged  # the runs' first steps only
+    stages.clear()
+    keep = [lambda toks, logits: logits]  # a logits processor: each step waits for the last
+    assert spec(model, Silent(auto_off=False), prompt, n, logits_processors=keep) == ref
+    assert stages and all(stages)
+
+
 class GuessFirst(NGramDrafter):
     """An oracle in stretches: nothing to propose at three positions of
     every six, elsewhere a wrong guess at the next token followed by the
@@ -582,11 +616,11 @@ def test_slow_first_verifies_of_each_width_leave_drafting_on(
     ref = stock(model, prompt, 120)
     built, forward = set(), VerifyLoop.forward
 
-    def building(self, tokens):
+    def building(self, tokens, *a):
         if tokens.size > 1 and tokens.size not in built:
             built.add(tokens.size)
             _time.sleep(0.05)
-        return forward(self, tokens)
+        return forward(self, tokens, *a)
 
     monkeypatch.setattr(VerifyLoop, "forward", building)
 
