@@ -20,9 +20,15 @@ add the wall time per token spent inside the loop's own step (``step()``:
 the graph), in the drafter (``accept`` and the proposal after each token),
 and the rounds and plain steps the loop ran. Where ``bare``'s build is near
 its step time, the host bounds a step and any host work adds to it.
+``--cprofile N`` then runs stock, ``silent`` and ``ngram`` once more on the
+first open prompt under ``cProfile`` and prints each one's N functions of
+most own time, in µs per token: where the loop's host time goes.
 """
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 from collections import defaultdict
 
@@ -86,13 +92,18 @@ def bare(model, prompt, max_tokens):
 
 
 def timed(model, tok, prompt, max_tokens, drafter=None):
-    """(ms per token after the first, tokens, stats or None) through ``stream_generate``."""
-    t0, n = time.perf_counter(), 0
+    """(ms per token after the first, tokens, stats or None) through
+    ``stream_generate``: to the last token, as mlx-lm's ``generation_tps``
+    (not the generator's close, where spec-decode feeds the last token so
+    that the prompt cache holds every yielded one)."""
+    t0 = t1 = time.perf_counter()
+    n = 0
     for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, draft_model=drafter):
+        t1 = time.perf_counter()
         if n == 0:
-            t0 = time.perf_counter()
+            t0 = t1
         n = r.generation_tokens
-    ms = 1e3 * (time.perf_counter() - t0) / max(1, n - 1)
+    ms = 1e3 * (t1 - t0) / max(1, n - 1)
     return ms, n, sd.last_stats() if drafter is not None else None
 
 
@@ -158,11 +169,34 @@ def profile(model, tok, name, prompt, args):
     return rows
 
 
+def host_profile(model, tok, prompt, max_tokens, top):
+    """Each method's ``top`` functions by own time under cProfile, µs per token."""
+    for label, make in (("stock", lambda: None), ("silent", Silent), ("ngram", sd.NGramDrafter)):
+        prof = cProfile.Profile()
+        prof.enable()
+        _, n, _ = timed(model, tok, prompt, max_tokens, make())
+        prof.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+        print(f"\n{label}: function, calls, own µs per token, with callees µs per token")
+        for (path, line, fn), (_, calls, own, cum, _) in rows:
+            where = f"{path.rsplit('/', 1)[-1]}:{line}({fn})"
+            print(f"  {where}, {calls}, {1e6 * own / n:.1f}, {1e6 * cum / n:.1f}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="untimed passes per prompt first")
+    p.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then N functions of each under cProfile",
+    )
     add_device_args(p)
     add_target_args(p)
     args = p.parse_args()
@@ -173,13 +207,17 @@ def main():
     print(f"# {target_name(args, args.dtype)} on {mx.default_device()}, greedy\n", flush=True)
     print("| prompt | loop | ms/token | vs stock | host ms/token | loop's counts |")
     print("|---|---|---|---|---|---|")
+    opened = []
     for name, prompt in prompts():
         if name.startswith("open"):
             ids = tok.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True
             )
+            opened.append(ids)
             for row in profile(model, tok, name, ids, args):
                 print(row, flush=True)
+    if args.cprofile:
+        host_profile(model, tok, opened[0], args.max_tokens, args.cprofile)
 
 
 if __name__ == "__main__":
