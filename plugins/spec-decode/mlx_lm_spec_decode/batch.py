@@ -265,7 +265,12 @@ class SpecGenerationBatch(GenerationBatch):
         pending token."""
         out, trees = [], []
         gmax, d = self.spec.ctl.gmax, self.spec.drafter
+        # What a verify costs at this batch size, as the serial loop tells
+        # its drafter (``DraftContext.verify_cost``): the n-gram drafter's
+        # bar and tree breadth, the suffix drafter's draft length.
+        price = self.spec.ctl.verify_cost(len(self.rows))
         for i, row in enumerate(self.rows):
+            row.ctx.verify_cost = price
             room = min(gmax, self.max_tokens[i] - self._num_tokens[i] - 1)
             room += pending is None  # the guess at the pending token comes first
             history = self.tokens[i] + ([pending[i]] if pending is not None else [])

@@ -97,7 +97,8 @@ class DraftContext:
     filter: Optional[Callable] = None
     hidden: Any = None
     # (a, b): a verify over w tokens costs about a + b * w plain steps, as
-    # measured by the loop (None: not yet, or no loop measures it)
+    # measured by the loop, or by the server at the row's batch size (None:
+    # not yet)
     verify_cost: Optional[tuple] = None
     # plain steps a drafted token of a computing drafter costs (None: not timed)
     draft_cost: Optional[float] = None

@@ -174,6 +174,30 @@ def test_declined_rounds_decode_as_stock(llama, monkeypatch):
     assert all(s.draft_rounds == 0 and s.forwards == s.emitted for s in rows)
 
 
+def test_rows_drafters_are_told_the_verify_price_at_their_batch_size(llama, monkeypatch):
+    """Each row's drafter reads ``ctx.verify_cost`` as the serial loop's
+    does: the controller's measured price at the batch size it drafts in
+    (the n-gram drafter's bar and tree breadth, the suffix drafter's draft
+    length follow it). Output as stock's."""
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    monkeypatch.setattr(BatchController, "verify_cost", lambda self, B=1: (1.0 + B / 100, 0.0))
+    seen = []
+
+    class Told(NGramDrafter):
+        def draft(self, ctx, n):
+            seen.append(ctx.verify_cost)
+            return super().draft(ctx, n)
+
+    model, tok = llama
+    prompts, late, kw, stock = greedy_case(model, tok)
+    assert_same(
+        stock,
+        drive(SpecBatchGenerator(model, Told(n_min=1), 4, 10), prompts, [40, 25, 60], late, **kw),
+    )
+    assert seen and {round(100 * (a - 1)) for a, _ in seen} <= {1, 2, 3, 4}
+
+
 def test_one_drafter_failure_disables_that_row_only(llama, caplog):
     model, tok = llama
     prompts = prompts_of(tok)
