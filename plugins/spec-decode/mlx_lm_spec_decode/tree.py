@@ -143,16 +143,21 @@ def best_chain(
     return select(parents, [p if i in path else 0.0 for i, p in enumerate(probs)], limit, cost)
 
 
+def window_cost(cost: tuple[float, float], width: int) -> float:
+    """Plain steps a chain's verify over ``width`` tokens costs, at the
+    measured ``cost = (a, b)``: ``a + b * width``."""
+    return cost[0] + cost[1] * width
+
+
 def tree_pays(
     probs: list[float], tree: list[int], chain: list[int], cost: tuple[float, float], extra: float
 ) -> bool:
     """Whether ``tree`` (node indices, the root included) yields more tokens
     per plain step than ``chain`` when a tree's verify costs ``extra`` plain
     steps more than a chain of its width (``Controller.tree_surcharge``)."""
-    a, b = cost
 
     def rate(nodes, more):
-        return (1.0 + sum(probs[i] for i in nodes if i)) / (a + b * len(nodes) + more)
+        return (1.0 + sum(probs[i] for i in nodes if i)) / (window_cost(cost, len(nodes)) + more)
 
     return rate(tree, extra) > rate(chain, 0.0)
 

@@ -120,7 +120,7 @@ class TreeRounds:
             chain = tree_mod.best_chain(parents, probs, width, cost)
             surcharge = loop.ctl.tree_surcharge()
             if not tree_mod.tree_pays(probs, keep, chain, cost, surcharge) or not self.pays(
-                cost[0] + cost[1] * len(chain), surcharge
+                tree_mod.window_cost(cost, len(chain)), surcharge
             ):
                 keep = chain
         self.since += 1
