@@ -698,8 +698,8 @@ class VerifyLoop:
         x = tok.astype(mx.uint32) if isinstance(tok, mx.array) else mx.array([tok], mx.uint32)
         logits, hidden = self.forward(x, waited)
         self.quantize()
-        lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), x)[0]
-        return self.sampler(lp[None]).reshape(-1), lp, hidden
+        lp = sampling.window_logprobs(logits, self.logits_processors, self._before(), x)
+        return self.sampler(lp).reshape(-1), lp.squeeze(0), hidden
 
     def _before(self) -> Optional[list[int]]:
         """The tokens before the pending one, for logits processors (the
@@ -719,10 +719,11 @@ class VerifyLoop:
             target_mod.verify_attention(self.model, x.shape[1], self.attention),
             target_mod.staged(self.model, x.shape[1], waited),
         ):
+            # squeeze, not [0]: an integer index is a gather, a copy on the device.
             if self.split is None:
-                return self.model(x, cache=self.target_cache)[0], None
+                return self.model(x, cache=self.target_cache).squeeze(0), None
             h = self.split[0](x, self.target_cache)
-        return self.split[1](h)[0], h[0]
+        return self.split[1](h).squeeze(0), h.squeeze(0)
 
     def quantize(self) -> None:
         maybe_quantize_kv_cache(

@@ -307,7 +307,8 @@ def forward(
     """Logits ``[n, V]`` of one request's tree forward (the caches grow by
     ``n``); with ``split``, ``(logits, hidden states [n, D])``."""
     out = batch_forward(model, cache, [tokens], [parents], policy, split)
-    return out[0] if split is None else (out[0][0], out[1][0])
+    # squeeze, not [0]: an integer index is a gather, a copy on the device.
+    return out.squeeze(0) if split is None else (out[0].squeeze(0), out[1].squeeze(0))
 
 
 # ------------------------------------------------- does this model fit
