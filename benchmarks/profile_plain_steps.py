@@ -34,6 +34,7 @@ from collections import defaultdict
 
 import mlx.core as mx
 from bench_spec_decode import prompts
+from bench_suffix import chat
 from common import (
     add_device_args,
     add_target_args,
@@ -210,9 +211,7 @@ def main():
     opened = []
     for name, prompt in prompts():
         if name.startswith("open"):
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True
-            )
+            ids = chat(tok, prompt)
             opened.append(ids)
             for row in profile(model, tok, name, ids, args):
                 print(row, flush=True)
