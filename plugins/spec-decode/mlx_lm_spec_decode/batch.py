@@ -288,6 +288,8 @@ class SpecGenerationBatch(GenerationBatch):
                 drafts = self._guard(row, d.draft, row.ctx, room)
             out.append([int(t) for t in drafts[0]][:room] if drafts else [])
             trees.append(tree if tree and len(tree.tokens) > len(out[-1]) + 1 else None)
+        if use_trees and pending is not None:
+            self.spec.ctl.trees_drawn(len(self.rows), any(t is not None for t in trees))
         return out, trees
 
     # ------------------------------------------------------------ one call
@@ -378,10 +380,11 @@ class SpecGenerationBatch(GenerationBatch):
     def _ahead_ok(self, use_trees: bool) -> bool:
         """Whether a round may start before the pending tokens are read:
         not for rows whose logits processors read each window's tokens,
-        nor while token trees (built on the pending token) may pay."""
+        nor while rows draw token trees (built on the pending tokens) often
+        enough to wait for them (``Policy.trees_wait``)."""
         if any(self.logits_processors):
             return False
-        return not (use_trees and self.spec.ctl.trees_pay(len(self.uids)))
+        return not (use_trees and self.spec.ctl.trees_wait(len(self.uids)))
 
     def _decide(self, B: int, drafts: List[List[int]], ahead: bool) -> int:
         """The round's draft length from the rows' proposals (0: plain steps,

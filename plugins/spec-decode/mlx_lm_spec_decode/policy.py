@@ -226,6 +226,10 @@ class Policy:
     REPROBE = 48  # verify rounds at one batch size between plain re-measurements
     TREE_SLACK = 0.05  # a tree round may cost this much of a plain step beyond a chain's
     TREE_RETRY = 32  # chain rounds between tree rounds once trees were found dear
+    TREE_SHARE = 0.25  # of the rounds drafted on known pending tokens, the share whose
+    # rows' trees held more than their chains, below which rounds stop waiting for
+    # those tokens (a batch's trees are built on them; an ahead round drafts chains)
+    TREE_LOOKS = 4  # rounds on known tokens before that share is judged
 
     def __init__(
         self,
@@ -246,6 +250,8 @@ class Policy:
         self.yields: Dict[int, deque] = {}  # B -> (tokens a round emitted, its seconds)
         self.rounds: Dict[int, int] = {}  # B -> rounds since its plain steps were renewed
         self.since_tree: Dict[int, int] = {}  # B -> chain rounds since its last tree round
+        self.branched: Dict[int, deque] = {}  # B -> whether rounds on known tokens drew trees
+        self.since_wait: Dict[int, int] = {}  # B -> rounds since one waited to draw trees
         self.switches: Dict[int, Switch] = {}
         self.last_round: Optional[int] = None  # batch size of the last round recorded
         self.charged = [False, False]  # its entries: a chain's timing, a yield
@@ -297,6 +303,7 @@ class Policy:
         its seconds count for its rate, not as a verify's cost; ``drafting``:
         seconds of it spent drafting, not verifying."""
         self.rounds[B] = self.rounds.get(B, 0) + 1
+        self.since_wait[B] = self.since_wait.get(B, 0) + 1
         self.last_round, self.charged = B, [timed and not tree, bool(tokens)]
         if tokens:
             self._table(self.yields, B).append((tokens, seconds))
@@ -414,6 +421,27 @@ class Policy:
         if bp is None or median(self.tree_cost[near]) <= self.TREE_SLACK * self._plain_at(bp):
             return True
         return self.since_tree.get(B, 0) >= self.TREE_RETRY
+
+    def trees_drawn(self, B: int, branched: bool) -> None:
+        """A round at B drafted on known pending tokens; ``branched``: a row's
+        tree held more than its chain."""
+        self._table(self.branched, B).append(branched)
+        self.since_wait[B] = 0
+
+    def trees_wait(self, B: int) -> bool:
+        """Whether a round behind a plain step waits for its pending tokens
+        to draft token trees on them. Waiting costs the overlap of the
+        round's build with the step in flight; it is worth that while trees
+        pay (``trees_pay``) and rows draw them: in ``TREE_SHARE`` of the last
+        rounds on known tokens, judged after ``TREE_LOOKS`` of them. Where they
+        are rarer, rounds go ahead with chains, and one waits every
+        ``TREE_RETRY`` rounds to look again."""
+        if not self.trees_pay(B):
+            return False
+        near = self._near(self.branched, B, self.TREE_LOOKS)
+        if near is None or sum(self.branched[near]) >= self.TREE_SHARE * len(self.branched[near]):
+            return True
+        return self.since_wait.get(B, 0) >= self.TREE_RETRY
 
     # ------------------------------------------------------------ the length
 

@@ -448,6 +448,37 @@ def test_controller_fits_a_rounds_fixed_cost_and_times_trees_apart():
     assert only.cost(2) == pytest.approx((0.010, 0.0, 0.002))
 
 
+def test_rounds_wait_for_pending_tokens_only_while_rows_draw_trees():
+    """A batch's trees are drafted on the pending tokens, so a round behind
+    a plain step that would draw them waits for those tokens; where rows'
+    proposals hardly ever branch, rounds go ahead (chains, built while the
+    step runs), and one waits now and then to look again."""
+    from mlx_lm_spec_decode.batch_verify import BatchController
+
+    ctl = BatchController(3, 8)
+    ctl.plain_step(2, 0.010)
+    assert ctl.trees_wait(2)  # nothing known yet: trees may pay
+    for _ in range(BatchController.TREE_LOOKS):
+        ctl.trees_drawn(2, False)
+        ctl.verify_round(2, 4, 0.012)
+    assert not ctl.trees_wait(2)
+    for _ in range(BatchController.TREE_RETRY - 2):
+        ctl.verify_round(2, 4, 0.012)
+    assert not ctl.trees_wait(2)
+    ctl.verify_round(2, 4, 0.012)
+    assert ctl.trees_wait(2)  # one round waits to look again
+    ctl.trees_drawn(2, False)
+    assert not ctl.trees_wait(2)
+    # Rows that draw trees often enough make rounds wait for them again.
+    for _ in range(2):
+        ctl.trees_drawn(2, True)
+    assert ctl.trees_wait(2)
+    # Trees found dear are not waited for, however often rows draw them.
+    for _ in range(3):
+        ctl.verify_round(2, 4, 0.030, tree=True)
+    assert not ctl.trees_wait(2)
+
+
 def test_unverified_drafts_still_teach_the_rows_acceptance():
     """With γ 0 a row's proposal is scored against what it emitted next."""
     from mlx_lm_spec_decode.batch import Row
