@@ -288,8 +288,6 @@ class SpecGenerationBatch(GenerationBatch):
                 drafts = self._guard(row, d.draft, row.ctx, room)
             out.append([int(t) for t in drafts[0]][:room] if drafts else [])
             trees.append(tree if tree and len(tree.tokens) > len(out[-1]) + 1 else None)
-        if use_trees and pending is not None:
-            self.spec.ctl.trees_drawn(len(self.rows), any(t is not None for t in trees))
         return out, trees
 
     # ------------------------------------------------------------ one call
@@ -462,6 +460,8 @@ class SpecGenerationBatch(GenerationBatch):
             first = self._next_tokens.reshape(B, 1).astype(mx.uint32)
             inputs = mx.concatenate([first, inputs[:, 1:]], axis=1)
         branching = [not tree_mod.is_chain(p[:n]) for p, n in zip(parents, sizes, strict=True)]
+        if not ahead and self.spec.trees:
+            self.spec.ctl.trees_drawn(B, any(branching))
         lps, paths, targets, rejected = self._check(inputs, windows, parents, sizes, branching)
         # A new buffer size is a new shape too: attention runs over the buffer.
         self.shape = (B, W, self.prompt_cache[0].keys.shape[2])

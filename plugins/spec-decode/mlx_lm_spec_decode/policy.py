@@ -226,9 +226,9 @@ class Policy:
     REPROBE = 48  # verify rounds at one batch size between plain re-measurements
     TREE_SLACK = 0.05  # a tree round may cost this much of a plain step beyond a chain's
     TREE_RETRY = 32  # chain rounds between tree rounds once trees were found dear
-    TREE_SHARE = 0.25  # of the rounds drafted on known pending tokens, the share whose
-    # rows' trees held more than their chains, below which rounds stop waiting for
-    # those tokens (a batch's trees are built on them; an ahead round drafts chains)
+    TREE_SHARE = 0.25  # of the rounds run on known pending tokens, the share that
+    # verified a branching tree, below which rounds stop waiting for those tokens
+    # (a batch's trees are built on them; an ahead round drafts chains)
     TREE_LOOKS = 4  # rounds on known tokens before that share is judged
 
     def __init__(
@@ -423,8 +423,8 @@ class Policy:
         return self.since_tree.get(B, 0) >= self.TREE_RETRY
 
     def trees_drawn(self, B: int, branched: bool) -> None:
-        """A round at B drafted on known pending tokens; ``branched``: a row's
-        tree held more than its chain."""
+        """A round at B ran on known pending tokens, where rows may draft
+        trees; ``branched``: a row's window was a branching tree."""
         self._table(self.branched, B).append(branched)
         self.since_wait[B] = 0
 
@@ -432,7 +432,7 @@ class Policy:
         """Whether a round behind a plain step waits for its pending tokens
         to draft token trees on them. Waiting costs the overlap of the
         round's build with the step in flight; it is worth that while trees
-        pay (``trees_pay``) and rows draw them: in ``TREE_SHARE`` of the last
+        pay (``trees_pay``) and rounds verify them: ``TREE_SHARE`` of the last
         rounds on known tokens, judged after ``TREE_LOOKS`` of them. Where they
         are rarer, rounds go ahead with chains, and one waits every
         ``TREE_RETRY`` rounds to look again."""

@@ -448,11 +448,11 @@ def test_controller_fits_a_rounds_fixed_cost_and_times_trees_apart():
     assert only.cost(2) == pytest.approx((0.010, 0.0, 0.002))
 
 
-def test_rounds_wait_for_pending_tokens_only_while_rows_draw_trees():
+def test_rounds_wait_for_pending_tokens_only_while_they_verify_trees():
     """A batch's trees are drafted on the pending tokens, so a round behind
-    a plain step that would draw them waits for those tokens; where rows'
-    proposals hardly ever branch, rounds go ahead (chains, built while the
-    step runs), and one waits now and then to look again."""
+    a plain step that would verify one waits for those tokens; where rounds
+    on known tokens hardly ever branch, rounds go ahead (chains, built
+    while the step runs), and one waits now and then to look again."""
     from mlx_lm_spec_decode.batch_verify import BatchController
 
     ctl = BatchController(3, 8)
@@ -469,11 +469,11 @@ def test_rounds_wait_for_pending_tokens_only_while_rows_draw_trees():
     assert ctl.trees_wait(2)  # one round waits to look again
     ctl.trees_drawn(2, False)
     assert not ctl.trees_wait(2)
-    # Rows that draw trees often enough make rounds wait for them again.
+    # Rounds that verify trees often enough make rounds wait for them again.
     for _ in range(2):
         ctl.trees_drawn(2, True)
     assert ctl.trees_wait(2)
-    # Trees found dear are not waited for, however often rows draw them.
+    # Trees found dear are not waited for, however often rounds branch.
     for _ in range(3):
         ctl.verify_round(2, 4, 0.030, tree=True)
     assert not ctl.trees_wait(2)
