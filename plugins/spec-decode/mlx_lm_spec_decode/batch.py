@@ -378,8 +378,8 @@ class SpecGenerationBatch(GenerationBatch):
     def _ahead_ok(self, use_trees: bool) -> bool:
         """Whether a round may start before the pending tokens are read:
         not for rows whose logits processors read each window's tokens,
-        nor while rows draw token trees (built on the pending tokens) often
-        enough to wait for them (``Policy.trees_wait``)."""
+        nor while rounds verify token trees (built on the pending tokens)
+        often enough to wait for them (``Policy.trees_wait``)."""
         if any(self.logits_processors):
             return False
         return not (use_trees and self.spec.ctl.trees_wait(len(self.uids)))

@@ -250,8 +250,8 @@ class Policy:
         self.yields: Dict[int, deque] = {}  # B -> (tokens a round emitted, its seconds)
         self.rounds: Dict[int, int] = {}  # B -> rounds since its plain steps were renewed
         self.since_tree: Dict[int, int] = {}  # B -> chain rounds since its last tree round
-        self.branched: Dict[int, deque] = {}  # B -> whether rounds on known tokens drew trees
-        self.since_wait: Dict[int, int] = {}  # B -> rounds since one waited to draw trees
+        self.branched: Dict[int, deque] = {}  # B -> whether rounds on known tokens branched
+        self.since_wait: Dict[int, int] = {}  # B -> rounds since one ran on known tokens
         self.switches: Dict[int, Switch] = {}
         self.last_round: Optional[int] = None  # batch size of the last round recorded
         self.charged = [False, False]  # its entries: a chain's timing, a yield
