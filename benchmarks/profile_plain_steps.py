@@ -27,7 +27,6 @@ most own time, in µs per token: where the loop's host time goes.
 
 import argparse
 import cProfile
-import io
 import pstats
 import time
 from collections import defaultdict
@@ -177,9 +176,7 @@ def host_profile(model, tok, prompt, max_tokens, top):
         prof.enable()
         _, n, _ = timed(model, tok, prompt, max_tokens, make())
         prof.disable()
-        out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
-        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
         print(f"\n{label}: function, calls, own µs per token, with callees µs per token")
         for (path, line, fn), (_, calls, own, cum, _) in rows:
             where = f"{path.rsplit('/', 1)[-1]}:{line}({fn})"
