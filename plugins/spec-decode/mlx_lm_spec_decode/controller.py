@@ -34,7 +34,7 @@ class Controller(policy.Policy):
     # rounds as a back-off (two verifies timed while other work ran may have
     # been slowed), then for the request once this many agree.
     VERIFY_SURE = 6
-    PROBE_EVERY = 12  # drafting rounds between plain steps timed anew
+    PROBE_EVERY = 12  # drafting rounds in a row, no plain step among them, before one is timed
 
     def __init__(
         self,
@@ -55,6 +55,7 @@ class Controller(policy.Policy):
         self.timed = 0  # drafting rounds whose draft was timed on its own
         self.draft_samples = 0  # drafts timed in all, carried ones included
         self.drafting_rounds = 0
+        self.since_plain = 0  # drafting rounds since a plain step was last timed
         self.acceptance = policy.Acceptance()
         self.carried = False  # plain steps timed by an earlier request (``carry``)
 
@@ -193,8 +194,10 @@ class Controller(policy.Policy):
         built kernels: neither its cost nor its rate is drafting's)."""
         if k == 0:
             self.plain_step(1, dt)
+            self.since_plain = 0
             return
         self.drafting_rounds += 1
+        self.since_plain += 1
         tree = trials is not None
         drafting = 0.0 if free else k * self._draft()
         tokens = a + 1 if built else 0
@@ -206,9 +209,11 @@ class Controller(policy.Policy):
             return
         # Measure a plain step now and then: a draft model never yields one,
         # and other processes on the machine change both figures over time.
+        # Where the text's gaps already ran plain steps (a lookup's misses),
+        # those are the measure: a probe would spend a forward on one token.
         if self.drafting_rounds == 2 and not self.carried:
             self.probe = 2
-        elif self.drafting_rounds % self.PROBE_EVERY == 0:
+        elif self.since_plain >= self.PROBE_EVERY:
             self.probe = 1
         self._judge()
 

@@ -537,10 +537,18 @@ class VerifyLoop:
     def _proposal(self) -> list:
         """A free drafter's proposal now, one token longer than a round's
         drafts: its first guesses the token a queued step is computing.
+        Where it proposes no chain but would draft a token tree (a shorter
+        context, an earlier occurrence: guesses too weak to queue a window
+        on), the tree's first guess alone: the run ends there, and the next
+        round drafts the tree on the known token, as the tree's rounds do
+        wherever it proposes, instead of plain steps through the gap.
         ``ctx.verify_cost`` stays as the round that found nothing set it: no
         round is timed within a run, and this runs after every token."""
         k = self.ctl.gmax if getattr(self.drafter, "sizes_drafts", False) else self.ctl.gamma
-        return list(self.drafter.draft(self.ctx, max(1, k) + 1)[0])
+        drafts = list(self.drafter.draft(self.ctx, max(1, k) + 1)[0])
+        if not drafts and self.trees is not None:
+            return self.trees.guess(max(1, k) + 1)
+        return drafts
 
     def _queue(self, first, drafts, q, room):
         """The verify forward over ``[first, drafts]`` built, padded up to one

@@ -90,6 +90,14 @@ class TreeRounds:
         to a chain, which its own ``draft`` builds without a read-back."""
         return not self.computes or policy.free_columns(cost)
 
+    def guess(self, n: int) -> list[int]:
+        """The first token of the tree a free drafter would draft now, ``n``
+        deep ([] where it proposes none, or computes its drafts)."""
+        if self.computes:
+            return []
+        paths = self.loop.drafter.draft_tree(self.loop.ctx, n)
+        return [int(paths[0][0][0])] if paths else []
+
     def draft(self, k_req: int, limit: int) -> tuple[Optional[mx.array], None]:
         """A chain to verify as usual (an array, maybe empty), or ``None``:
         a tree is pending for ``verify``."""

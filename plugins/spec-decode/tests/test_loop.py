@@ -461,6 +461,47 @@ def test_a_run_ends_in_a_round_queued_behind_its_last_step(
         assert_exact(model, cache, prompt.tolist() + out)
 
 
+class TreeOnly(NGramDrafter):
+    """A drafter of token trees whose chains never propose (its contexts
+    too short for them): an oracle's tree from ``from_pos`` on."""
+
+    def __init__(self, ref, n_prompt, from_pos, **kw):
+        super().__init__(**kw)
+        self.ref, self.n_prompt, self.from_pos, self.rounds = ref, n_prompt, from_pos, []
+
+    def draft(self, ctx, k):
+        return [], None
+
+    def draft_tree(self, ctx, n):
+        pos = len(ctx.cache[0].tokens) - self.n_prompt
+        if pos < self.from_pos or pos >= len(self.ref):
+            return []
+        return [(self.ref[pos : pos + n], 1.0), ([self.ref[pos] + 1], 0.5)]
+
+    def accept(self, ctx, tokens, n_drafted):
+        if n_drafted:
+            self.rounds.append(len(ctx.cache[0].tokens) - self.n_prompt)
+        super().accept(ctx, tokens, n_drafted)
+
+
+def test_a_run_ends_where_only_a_token_tree_proposes(tiny_llama, repetitive_prompt, monkeypatch):
+    """Where verify columns cost nothing, a plain run through text the
+    drafter's chains cannot copy ends as soon as its token tree proposes
+    (a shorter context, an earlier occurrence), and the next round drafts
+    the tree: not plain steps to the end of the request. Output as stock's."""
+    from mlx_lm_spec_decode import policy
+
+    model, tok = tiny_llama
+    prompt = repetitive_prompt(tok)
+    n, from_pos = 40, 16
+    ref = stock(model, prompt, n)
+    monkeypatch.setattr(policy, "free_columns", lambda cost: True)
+    drafter = TreeOnly(ref, prompt.size, from_pos, auto_off=False)
+    assert spec(model, drafter, prompt, n, k=4) == ref
+    assert last_stats().accepted > 0
+    assert drafter.rounds and drafter.rounds[0] <= from_pos + 3, drafter.rounds
+
+
 def test_drafting_resumes_when_guesses_start_to_hold(tiny_llama, repetitive_prompt, monkeypatch):
     """Switched off by wrong drafts, a free drafter keeps guessing while the
     back-off runs; once its guesses hold, drafting resumes before the

@@ -234,3 +234,22 @@ def test_one_slow_timing_does_not_make_a_cheap_draft_step_dear():
         ctl.update(3, 3, 1.5 + 3 * 0.01)
         assert not ctl.switched_off and not ctl.time_draft()
         assert ctl.draft_cost() == pytest.approx(0.01)
+
+
+def test_a_plain_step_is_probed_only_after_rounds_with_none_among_them():
+    """The serial controller times a plain step after ``PROBE_EVERY``
+    drafting rounds in a row; where the text's gaps ran plain steps between
+    rounds (a lookup's misses), those are its timings, and no round's
+    forward is spent on a probe."""
+    for gaps in (False, True):
+        ctl = Controller(3, 8)
+        ctl.carry(((1.0, 1.0), (), None))  # plain steps known: no first probe
+        wants = []
+        for r in range(3 * Controller.PROBE_EVERY):
+            k = ctl.want()
+            wants.append(k)
+            ctl.update(k, k, 1.0 if k == 0 else 1.2)
+            if gaps and r % 5 == 4:
+                ctl.update(0, 0, 1.0)  # a miss: one plain step
+        probes = wants.count(0)
+        assert probes == (0 if gaps else 2), wants
