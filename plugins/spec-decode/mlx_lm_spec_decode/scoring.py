@@ -77,8 +77,9 @@ def draft_length(p: float, shares: list[float], cost: tuple[float, float], gain:
     for g, share in enumerate(shares, 1):
         reach *= p * share
         expect += reach
-        if expect / (a + b * (g + 1)) > best_rate:
-            best, best_rate = g, expect / (a + b * (g + 1))
+        rate = expect / (a + b * (g + 1))
+        if rate > best_rate:
+            best, best_rate = g, rate
     return best
 
 
