@@ -96,7 +96,7 @@ class TreeRounds:
         if self.computes:
             return []
         paths = self.loop.drafter.draft_tree(self.loop.ctx, n)
-        return [int(paths[0][0][0])] if paths else []
+        return next(([int(path[0])] for path, _ in paths if len(path)), [])
 
     def draft(self, k_req: int, limit: int) -> tuple[Optional[mx.array], None]:
         """A chain to verify as usual (an array, maybe empty), or ``None``:
