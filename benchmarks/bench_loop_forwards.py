@@ -16,9 +16,11 @@ columns cost compute, which the given price stands for). What the loop
 decides from those prices (draft lengths, trees, plain runs through the
 text's gaps, probes) is what it decides on such a device.
 
-Beside each count, the bound the n-gram drafter's own token trees allow
-at that price (``bench_drafting_ceiling.py --flat-verify``'s "n-gram
-tree" column): a round wherever the drafter proposes, on the same output.
+Beside each count: the speed-up over plain decoding at that price
+(tokens over plain steps plus ``--verify`` per round), and the bound the
+n-gram drafter's own token trees allow at that price
+(``bench_drafting_ceiling.py --flat-verify``'s "n-gram tree" column: a
+round wherever the drafter proposes, on the same output).
 """
 
 import argparse
@@ -65,10 +67,11 @@ def run(model, tok, prompt, method, max_tokens):
 
 
 def bound(prompt, out, verify):
-    """Tokens per forward of rounds wherever the n-gram drafter's trees propose."""
+    """``(speed-up, tokens per forward)`` of rounds wherever the n-gram
+    drafter's trees propose, at ``verify`` plain steps a round."""
     lengths = tree_lengths(list(prompt), out, max(target_mod.GPU_WIDTHS) - 1, verify)
     costs = {(1, w): 1.0 if w == 1 else verify for w in range(1, 17)}
-    return simulate([lengths], 1, costs, own=True)[1]
+    return simulate([lengths], 1, costs, own=True)
 
 
 def main():
@@ -85,8 +88,11 @@ def main():
     mlx_lm_ext.enable("spec-decode")
     model, tok = load_target(args)
     print(f"# {target_name(args)}, verify at {args.verify} plain steps, greedy\n")
-    print("| prompt | method | tokens | forwards | tok/fwd | trees | tree bound tok/fwd |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| prompt | method | tokens | forwards | rounds | tok/fwd | speed-up at price "
+        "| trees | tree bound: tok/fwd, speed-up |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, text in prompts():
         if args.only and not any(s in name for s in args.only):
             continue
@@ -95,10 +101,11 @@ def main():
         )
         for method in args.methods:
             st, out = run(model, tok, prompt, method, args.max_tokens)
+            steps = st.forwards - st.draft_rounds + args.verify * st.draft_rounds
             print(
-                f"| {name} | {method} | {st.emitted} | {st.forwards} | "
-                f"{st.tokens_per_forward:.2f} | {st.tree_rounds} | "
-                f"{bound(prompt, out, args.verify):.2f} |",
+                f"| {name} | {method} | {st.emitted} | {st.forwards} | {st.draft_rounds} | "
+                f"{st.tokens_per_forward:.2f} | {st.emitted / steps:.2f}x | {st.tree_rounds} | "
+                "{1:.2f}, {0:.2f}x |".format(*bound(prompt, out, args.verify)),
                 flush=True,
             )
 
