@@ -26,7 +26,7 @@ round wherever the drafter proposes, on the same output).
 import argparse
 import os
 
-from bench_drafting_ceiling import simulate, tree_lengths
+from bench_drafting_ceiling import flat_costs, simulate, tree_lengths
 from bench_spec_decode import prompts
 from common import add_target_args, load_target, print_header, target_name
 from mlx_lm import stream_generate
@@ -70,8 +70,7 @@ def bound(prompt, out, verify):
     """``(speed-up, tokens per forward)`` of rounds wherever the n-gram
     drafter's trees propose, at ``verify`` plain steps a round."""
     lengths = tree_lengths(list(prompt), out, max(target_mod.GPU_WIDTHS) - 1, verify)
-    costs = {(1, w): 1.0 if w == 1 else verify for w in range(1, 17)}
-    return simulate([lengths], 1, costs, own=True)
+    return simulate([lengths], 1, flat_costs([1], verify), own=True)
 
 
 def main():

@@ -545,9 +545,10 @@ class VerifyLoop:
         ``ctx.verify_cost`` stays as the round that found nothing set it: no
         round is timed within a run, and this runs after every token."""
         k = self.ctl.gmax if getattr(self.drafter, "sizes_drafts", False) else self.ctl.gamma
-        drafts = list(self.drafter.draft(self.ctx, max(1, k) + 1)[0])
+        n = max(1, k) + 1
+        drafts = list(self.drafter.draft(self.ctx, n)[0])
         if not drafts and self.trees is not None:
-            return self.trees.guess(max(1, k) + 1)
+            return self.trees.guess(n)
         return drafts
 
     def _queue(self, first, drafts, q, room):
